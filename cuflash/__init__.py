@@ -1,0 +1,16 @@
+"""cuflash: exact attention (FlashAttention-2) as CUDA C++ compiled at run time by CuPy.
+
+    o = cuflash.attention(q, k, v, causal=False, scale=None, layout="bshd")
+    o, lse = cuflash.attention_forward(q, k, v, ...)
+    dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, ...)
+
+Inputs are any DLPack arrays (NumPy, CuPy, PyTorch, JAX); results come back in the caller's
+library. ``cuflash.reference`` is the float64 NumPy reference the kernels are tested against.
+CuPy is imported only when a CUDA array arrives, so the CPU backend needs NumPy alone.
+"""
+
+from . import reference
+from .api import attention, attention_backward, attention_forward
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_forward", "attention_backward", "reference", "__version__"]

@@ -1,0 +1,333 @@
+"""Arrays in, arrays out: what an input is, and how to hand results back in the caller's library.
+
+Each supported library has a small adapter. Inputs are described without copying (pointer, shape,
+strides in elements, dtype name, device); outputs are allocated by the caller's own library on the
+inputs' device, so results come back as the caller's array type with no copy:
+
+  numpy       CPU only; bfloat16 through ml_dtypes where it is installed
+  torch       CPU and CUDA; kernels run on torch.cuda.current_stream()
+  cupy        CUDA; kernels run on cupy.cuda.get_current_stream()
+  jax         CPU and CUDA; CUDA buffers are exchanged through DLPack (allocated by CuPy and handed
+              to JAX without a copy; bfloat16 is relabelled in the capsule, never converted)
+  dlpack      any other object with __dlpack__: read through its capsule; results come back as
+              NumPy arrays (CPU) or CuPy arrays (CUDA)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _dlpack
+
+CPU, CUDA = "cpu", "cuda"
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """An input array as the kernels see it. Strides are in elements."""
+
+    obj: Any
+    name: str  # the argument's name, for error messages
+    library: str
+    device: tuple[str, int]  # ("cpu", 0) or ("cuda", index)
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    ptr: int
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _library_of(obj: Any) -> str:
+    module = type(obj).__module__.split(".")[0]
+    if isinstance(obj, np.ndarray):
+        return "numpy"
+    if module == "torch":
+        return "torch"
+    if module == "cupy":
+        return "cupy"
+    if module in ("jax", "jaxlib"):
+        return "jax"
+    return "dlpack"
+
+
+def probe(obj: Any, name: str) -> tuple[str, tuple[str, int]]:
+    """(library, device) of an input, cheaply and without taking a DLPack capsule."""
+    library = _library_of(obj)
+    if library == "numpy":
+        return library, (CPU, 0)
+    if library == "torch":
+        dev = obj.device
+        if dev.type not in (CPU, CUDA):
+            raise ValueError(
+                f"{name} is on device '{dev}'; cuflash runs on 'cpu' and 'cuda' devices"
+            )
+        return library, (dev.type, dev.index or 0)
+    if library == "cupy":
+        return library, (CUDA, obj.device.id)
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        raise TypeError(
+            f"{name} must be an array that supports DLPack (NumPy, CuPy, PyTorch, JAX, ...); "
+            f"got {_type_name(obj)}"
+        )
+    device_type, device_id = obj.__dlpack_device__()
+    if device_type in (_dlpack.KDL_CPU, _dlpack.KDL_CUDA_HOST):
+        return library, (CPU, 0)
+    if device_type in (_dlpack.KDL_CUDA, _dlpack.KDL_CUDA_MANAGED):
+        return library, (CUDA, int(device_id))
+    raise ValueError(f"{name} is on an unsupported device (DLPack device type {device_type})")
+
+
+def describe(obj: Any, name: str, library: str, device: tuple[str, int]) -> ArrayInfo:
+    """Describes one input whose library and device `probe` returned."""
+    if library == "numpy":
+        itemsize = obj.itemsize
+        return ArrayInfo(
+            obj,
+            name,
+            library,
+            device,
+            obj.dtype.name,
+            obj.shape,
+            tuple(s // itemsize for s in obj.strides),
+            obj.__array_interface__["data"][0],
+        )
+    if library == "torch":
+        return ArrayInfo(
+            obj,
+            name,
+            library,
+            device,
+            str(obj.dtype).removeprefix("torch."),
+            tuple(obj.shape),
+            tuple(obj.stride()),
+            obj.data_ptr(),
+        )
+    if library == "cupy":
+        itemsize = obj.itemsize
+        return ArrayInfo(
+            obj,
+            name,
+            library,
+            device,
+            obj.dtype.name,
+            obj.shape,
+            tuple(s // itemsize for s in obj.strides),
+            obj.data.ptr,
+        )
+    if device[0] == CPU:
+        capsule = obj.__dlpack__()
+    else:
+        # The producer makes our launch stream wait for its pending writes (no host sync).
+        stream = launch_stream(library, device[1])
+        capsule = obj.__dlpack__(stream=dlpack_stream_argument(stream))
+    view = _dlpack.read_capsule(capsule)
+    del capsule  # unconsumed: the producer's destructor releases its reference
+    return ArrayInfo(obj, name, library, device, view.dtype, view.shape, view.strides, view.ptr)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU side: a NumPy view of any CPU input, and results in the caller's library.
+
+# The NumPy dtype that stores each element format (bfloat16 as its 16 raw bits).
+_STORAGE = {
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+
+def numpy_view(info: ArrayInfo) -> np.ndarray:
+    """The input as a NumPy array without a copy (bfloat16 as raw uint16 bits)."""
+    if info.library == "numpy":
+        return info.obj.view(np.uint16) if info.dtype == "bfloat16" else info.obj
+    storage = np.dtype(_STORAGE[info.dtype])
+    itemsize = storage.itemsize
+    if any(n == 0 for n in info.shape):
+        return np.empty(info.shape, storage)
+    lo = sum((n - 1) * s for n, s in zip(info.shape, info.strides, strict=False) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(info.shape, info.strides, strict=False) if s > 0)
+    span = (hi - lo + 1) * itemsize
+    buffer = (ctypes.c_char * span).from_address(info.ptr + lo * itemsize)
+    return np.ndarray(
+        info.shape,
+        storage,
+        buffer=buffer,
+        offset=-lo * itemsize,
+        strides=tuple(s * itemsize for s in info.strides),
+    )
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as the GPU's cvt.rn.bf16.f32 does; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def as_float(info: ArrayInfo) -> np.ndarray:
+    """The input's values as float32/float64 NumPy (a view where no conversion is needed)."""
+    view = numpy_view(info)
+    return bf16_bits_to_float32(view) if info.dtype == "bfloat16" else view
+
+
+def cpu_result(template: ArrayInfo, values: np.ndarray, dtype: str) -> Any:
+    """`values` (float64) rounded to `dtype` and returned in the library of `template`."""
+    if dtype == "bfloat16":
+        storage = float_to_bf16_bits(values)
+    else:
+        storage = np.asarray(values).astype(dtype, copy=False)
+    library = template.library
+    if library == "torch":
+        import torch
+
+        if dtype == "bfloat16":
+            return torch.from_numpy(storage.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(storage))
+    if dtype == "bfloat16":
+        storage = storage.view(_bfloat16_numpy_dtype(template))
+    if library == "jax":
+        import jax
+
+        return jax.device_put(storage, next(iter(template.obj.devices())))
+    return storage
+
+
+def _bfloat16_numpy_dtype(template: ArrayInfo) -> Any:
+    if template.library == "numpy":
+        return template.obj.dtype
+    try:
+        import ml_dtypes
+    except ImportError as exc:  # pragma: no cover - jax always brings ml_dtypes
+        raise TypeError(
+            f"{template.name} is bfloat16; bfloat16 NumPy results need the ml_dtypes package"
+        ) from exc
+    return ml_dtypes.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA side: the launch stream, output buffers, and results in the caller's library.
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(
+            "cuflash needs CuPy to run on CUDA arrays: pip install 'cuflash[cuda12]' "
+            "(cupy-cuda12x) or 'cuflash[cuda13]' (cupy-cuda13x)"
+        ) from exc
+    return cupy
+
+
+def launch_stream(library: str, device_index: int) -> int:
+    """Raw stream the kernels run on: the current stream of the framework that owns the inputs
+    (torch's for torch tensors; CuPy's current stream for everything else)."""
+    if library == "torch":
+        import torch
+
+        return torch.cuda.current_stream(device_index).cuda_stream
+    cupy = _cupy()
+    with cupy.cuda.Device(device_index):
+        return cupy.cuda.get_current_stream().ptr
+
+
+def dlpack_stream_argument(stream_ptr: int) -> int:
+    """The `stream` value of __dlpack__ for a raw stream: 0 is ambiguous there, 1 is the legacy
+    default stream (the DLPack convention for CUDA)."""
+    return 1 if stream_ptr == 0 else stream_ptr
+
+
+class CudaBuffer:
+    """An output allocated on a CUDA device: `array` is the owning array object."""
+
+    __slots__ = ("array", "ptr", "shape", "strides", "dtype")
+
+    def __init__(self, array: Any, ptr: int, shape: tuple[int, ...], dtype: str) -> None:
+        self.array, self.ptr, self.shape, self.dtype = array, ptr, shape, dtype
+        self.strides = _dlpack.c_contiguous_strides(shape)
+
+
+# Tests set this to fill every output buffer with NaN before the kernels run, so that an element
+# a kernel fails to write shows up (an allocator may otherwise hand back correct old results).
+poison_outputs = False
+
+
+def cuda_empty(
+    template: ArrayInfo, shape: tuple[int, ...], dtype: str, fill: float | None = None
+) -> CudaBuffer:
+    """A C-contiguous buffer on the template's device, owned by the template's library
+    (CuPy for JAX and other producers), optionally filled with `fill`."""
+    index = template.device[1]
+    if fill is None and poison_outputs:
+        fill = float("nan")
+    if template.library == "torch":
+        import torch
+
+        tdtype = getattr(torch, dtype)
+        device = torch.device(CUDA, index)
+        if fill is None:
+            array = torch.empty(shape, dtype=tdtype, device=device)
+        else:
+            array = torch.full(shape, fill, dtype=tdtype, device=device)
+        return CudaBuffer(array, array.data_ptr(), shape, dtype)
+    cupy = _cupy()
+    storage = np.uint16 if dtype == "bfloat16" else dtype
+    with cupy.cuda.Device(index):
+        if fill is None:
+            array = cupy.empty(shape, dtype=storage)
+        elif dtype == "bfloat16":
+            array = cupy.full(shape, float_to_bf16_bits(np.float32(fill)).item(), dtype=storage)
+        else:
+            array = cupy.full(shape, fill, dtype=storage)
+    return CudaBuffer(array, array.data.ptr, shape, dtype)
+
+
+class _RelabelledExport:
+    """A CuPy buffer exported through DLPack under another dtype label (uint16 -> bfloat16)."""
+
+    def __init__(self, array: Any, code: int, bits: int) -> None:
+        self._array, self._code, self._bits = array, code, bits
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
+
+    def __dlpack__(self, *, stream: Any = None, **_: Any) -> Any:
+        capsule = self._array.__dlpack__(stream=stream)
+        _dlpack.relabel_capsule_dtype(capsule, self._code, self._bits)
+        return capsule
+
+
+def cuda_result(template: ArrayInfo, buffer: CudaBuffer) -> Any:
+    """The buffer as an array of the template's library (no copy)."""
+    library = template.library
+    if library in ("torch", "cupy"):
+        return buffer.array
+    if library == "jax":
+        import jax.dlpack
+
+        source = buffer.array
+        if buffer.dtype == "bfloat16":
+            source = _RelabelledExport(buffer.array, code=4, bits=16)
+        # Under the buffer's device, CuPy's __dlpack__ makes JAX's stream wait on the stream the
+        # kernels ran on (an event, no host synchronisation).
+        with _cupy().cuda.Device(template.device[1]):
+            return jax.dlpack.from_dlpack(source)
+    if buffer.dtype == "bfloat16":
+        raise TypeError(
+            f"{template.name} is a bfloat16 CUDA array of an unsupported library "
+            f"({_type_name(template.obj)}); results could not be returned"
+        )
+    return buffer.array

@@ -1,0 +1,259 @@
+"""Argument checking: every public call goes through here before any work is done.
+
+A bad argument raises TypeError (wrong kind of thing: not an array, a dtype we do not support,
+mixed libraries) or ValueError (right kind, wrong value: shapes, devices, scale, layout), and the
+message names the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _kernels
+from ._interop import ArrayInfo, describe, probe
+
+LAYOUTS = ("bshd", "bhsd")
+SUPPORTED_DTYPES = _kernels.DTYPES
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The validated shape of one attention call."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    layout: str  # "bshd" or "bhsd" ("bshd" for 2-D input)
+    two_d: bool
+    causal: bool
+    scale: float
+    device: tuple[str, int]
+    library: str
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads_q // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def lse_dtype(self) -> str:
+        """float32, or float64 for float64 inputs (the exact path keeps full precision)."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    def shape(self, seq: int, heads: int) -> tuple[int, ...]:
+        if self.two_d:
+            return (seq, self.head_dim)
+        if self.layout == "bshd":
+            return (self.batch, seq, heads, self.head_dim)
+        return (self.batch, heads, seq, self.head_dim)
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        return self.shape(self.seq_q, self.heads_q)
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        return self.shape(self.seq_k, self.heads_kv)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.seq_q,) if self.two_d else (self.batch, self.heads_q, self.seq_q)
+
+    def bhs_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
+        """(batch, head, sequence) strides of a q/k/v-shaped array in this problem's layout."""
+        if self.two_d:
+            return (0, 0, strides[0])
+        if self.layout == "bshd":
+            return (strides[0], strides[2], strides[1])
+        return (strides[0], strides[1], strides[2])
+
+
+def check_layout(layout: Any) -> str:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be 'bshd' or 'bhsd'; got {type(layout).__name__} {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"layout must be 'bshd' (B, N, H, d) or 'bhsd' (B, H, N, d); got {layout!r}"
+        )
+    return layout
+
+
+def check_causal(causal: Any) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
+    return bool(causal)
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(
+            f"scale must be a real number or None; got {type(scale).__name__} {scale!r}"
+        )
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"scale must be a finite number > 0; got {value!r}")
+    return value
+
+
+def _shape_words(layout: str, ndim: int, heads: str) -> str:
+    if ndim == 2:
+        return "(N, d)"
+    return f"(B, N, {heads}, d)" if layout == "bshd" else f"(B, {heads}, N, d)"
+
+
+def _describe_all(named: list[tuple[Any, str]]) -> list[ArrayInfo]:
+    """Checks that the arrays share one library and one device, then describes them."""
+    probes = [(obj, name, *probe(obj, name)) for obj, name in named]
+    _, first_name, first_lib, first_dev = probes[0]
+    for _, name, library, device in probes[1:]:
+        if library != first_lib:
+            raise TypeError(
+                f"{name} is a {library} array but {first_name} is a {first_lib} array; "
+                f"pass arrays of one library"
+            )
+        if device != first_dev:
+            raise ValueError(
+                f"{name} is on {_device_words(device)} but {first_name} is on "
+                f"{_device_words(first_dev)}; all arrays must be on one device"
+            )
+    return [describe(obj, name, library, device) for obj, name, library, device in probes]
+
+
+def _device_words(device: tuple[str, int]) -> str:
+    return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
+
+
+def _check_dtype(info: ArrayInfo, expected: str | None = None) -> None:
+    if expected is None:
+        if info.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{info.name} has dtype {info.dtype}; cuflash supports float16, bfloat16, float32 "
+                f"and float64"
+            )
+    elif info.dtype != expected:
+        raise TypeError(f"{info.name} must have dtype {expected} (like q); got {info.dtype}")
+
+
+def _check_last_dim_contiguous(info: ArrayInfo) -> None:
+    if info.shape and info.shape[-1] > 1 and all(info.shape) and info.strides[-1] != 1:
+        raise ValueError(
+            f"{info.name} must have a contiguous last dimension (stride 1); got strides "
+            f"{info.strides} for shape {info.shape}. Make a contiguous copy first "
+            f"(e.g. .contiguous() in PyTorch, numpy.ascontiguousarray)"
+        )
+
+
+def check_forward(
+    q: Any, k: Any, v: Any, causal: Any, scale: Any, layout: Any
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo]:
+    layout = check_layout(layout)
+    causal = check_causal(causal)
+    return _check_qkv(*_describe_all([(q, "q"), (k, "k"), (v, "v")]), causal, scale, layout)
+
+
+def _check_qkv(
+    qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, causal: bool, scale: Any, layout: str
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo]:
+    infos = [qi, ki, vi]
+    _check_dtype(qi)
+    _check_dtype(ki, qi.dtype)
+    _check_dtype(vi, qi.dtype)
+
+    ndim = len(qi.shape)
+    if ndim not in (2, 4):
+        raise ValueError(
+            f"q must be a 4-D array {_shape_words(layout, 4, 'Hq')} for layout={layout!r} or a "
+            f"2-D array (N, d); got shape {qi.shape}"
+        )
+    for info in (ki, vi):
+        if len(info.shape) != ndim:
+            raise ValueError(
+                f"{info.name} must be {ndim}-D like q, {_shape_words(layout, ndim, 'Hkv')}; "
+                f"got shape {info.shape}"
+            )
+    if ki.shape != vi.shape:
+        raise ValueError(f"k and v must have the same shape; got k {ki.shape} and v {vi.shape}")
+
+    if ndim == 2:
+        batch, heads_q, heads_kv = 1, 1, 1
+        (seq_q, d), (seq_k, dk) = qi.shape, ki.shape
+        layout = "bshd"
+    elif layout == "bshd":
+        batch, seq_q, heads_q, d = qi.shape
+        bk, seq_k, heads_kv, dk = ki.shape
+    else:
+        batch, heads_q, seq_q, d = qi.shape
+        bk, heads_kv, seq_k, dk = ki.shape
+    if ndim == 4 and bk != batch:
+        raise ValueError(f"k and v must have batch size {batch} like q; got shape {ki.shape}")
+    if dk != d:
+        raise ValueError(
+            f"k and v must have head dim {d} like q (last dimension); got k shape {ki.shape}"
+        )
+    if d == 0:
+        raise ValueError(
+            f"the head dim (last dimension of q, k, v) must be at least 1; got {qi.shape}"
+        )
+    if d > _kernels.MAX_HEAD_DIM:
+        raise ValueError(
+            f"the head dim (last dimension of q, k, v) must be at most {_kernels.MAX_HEAD_DIM}; "
+            f"got {d}"
+        )
+    if (heads_kv == 0 and heads_q != 0) or (heads_kv and heads_q % heads_kv):
+        raise ValueError(
+            f"the number of query heads ({heads_q}) must be a multiple of the number of key/value "
+            f"heads ({heads_kv}); got q shape {qi.shape}, k shape {ki.shape} (layout={layout!r})"
+        )
+    for info in infos:
+        _check_last_dim_contiguous(info)
+    problem = Problem(
+        batch,
+        heads_q,
+        heads_kv,
+        seq_q,
+        seq_k,
+        d,
+        qi.dtype,
+        layout,
+        ndim == 2,
+        causal,
+        check_scale(scale, d),
+        qi.device,
+        qi.library,
+    )
+    return problem, qi, ki, vi
+
+
+def check_backward(
+    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, layout: Any
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo]:
+    layout = check_layout(layout)
+    causal = check_causal(causal)
+    infos = _describe_all([(q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (lse, "lse")])
+    problem, qi, ki, vi = _check_qkv(*infos[:3], causal, scale, layout)
+    doi, oi, lsei = infos[3:]
+    for info in (doi, oi):
+        _check_dtype(info, qi.dtype)
+        if info.shape != qi.shape:
+            raise ValueError(f"{info.name} must have the shape of q {qi.shape}; got {info.shape}")
+        _check_last_dim_contiguous(info)
+    if lsei.dtype != problem.lse_dtype:
+        raise TypeError(
+            f"lse must have dtype {problem.lse_dtype} (as attention_forward returns it for "
+            f"{problem.dtype} inputs); got {lsei.dtype}"
+        )
+    if lsei.shape != problem.lse_shape:
+        words = "(N,)" if problem.two_d else "(B, Hq, Nq)"
+        raise ValueError(f"lse must have shape {words} = {problem.lse_shape}; got {lsei.shape}")
+    return problem, doi, qi, ki, vi, oi, lsei

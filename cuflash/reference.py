@@ -1,0 +1,327 @@
+"""The float64 NumPy reference: the naive formulas, and the blockwise algorithm of the kernels.
+
+Names follow DESIGN.md: ``S = scale * Q K^T``; ``lse_i = log(sum_j exp(S_ij))`` over the keys row
+i may see; ``P = exp(S - lse)``; ``O = P V``. Backward, given dO: ``D = rowsum(dO * O)``,
+``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``.
+
+Shapes: ``layout="bshd"``: q ``(B, Nq, Hq, d)``, k/v ``(B, Nk, Hkv, d)``; ``layout="bhsd"``:
+``(B, H, N, d)``; a 2-D ``(N, d)`` array is one sequence with one head (layout ignored). Query head
+h reads key/value head ``h // (Hq // Hkv)``. Causal masking is aligned to the bottom-right corner:
+query i sees key j when ``j <= i + Nk - Nq``. A row that sees no key has o = 0, lse = -inf and zero
+gradients. Every function computes in float64 whatever the input dtype and returns float64 arrays
+(o, dq, dk, dv shaped like q, k, v; lse ``(B, Hq, Nq)``, or ``(Nq,)`` for 2-D input).
+
+The blockwise functions are the executable specification of the CUDA kernels: the forward pass
+with the online softmax over key blocks, the backward pass as preprocess D, a dK/dV pass over query
+blocks and a dQ pass over key blocks, skipping the blocks the causal mask hides entirely.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+Array = Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def visible_mask(nq: int, nk: int, causal: bool) -> np.ndarray:
+    """Bool (nq, nk): True where query i may see key j (bottom-right causal: j <= i + nk - nq)."""
+    if not causal:
+        return np.ones((nq, nk), dtype=bool)
+    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+
+
+def _block_mask(rows: slice, cols: slice, nq: int, nk: int, causal: bool) -> np.ndarray:
+    """visible_mask(nq, nk, causal)[rows, cols] without building the whole N x N mask."""
+    i = np.arange(rows.start, rows.stop)[:, None]
+    j = np.arange(cols.start, cols.stop)[None, :]
+    return (j <= i + (nk - nq)) if causal else np.ones((i.size, j.size), dtype=bool)
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
+
+
+def _to_bhsd(x: Array, layout: str) -> np.ndarray:
+    """float64 (B, H, N, d) view of a q/k/v-shaped array."""
+    x = np.asarray(x)
+    if x.dtype.name == "bfloat16":  # ml_dtypes arrays convert exactly through float32
+        x = x.astype(np.float32)
+    x = x.astype(np.float64, copy=False)
+    if x.ndim == 2:
+        return x[None, None]
+    if layout == "bshd":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "bhsd":
+        return x
+    raise ValueError(f"layout must be 'bshd' or 'bhsd'; got {layout!r}")
+
+
+def _from_bhsd(x: np.ndarray, layout: str, two_d: bool) -> np.ndarray:
+    if two_d:
+        return np.ascontiguousarray(x[0, 0])
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3) if layout == "bshd" else x)
+
+
+def _lse_to_bh(lse: Array, two_d: bool) -> np.ndarray:
+    lse = np.asarray(lse, dtype=np.float64)
+    return lse[None, None] if two_d else lse
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout must be 'bshd' or 'bhsd'; got {layout!r}")
+
+
+def _group(hq: int, hkv: int) -> int:
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    return hq // hkv
+
+
+def _expand(x: np.ndarray, group: int) -> np.ndarray:
+    """(B, Hkv, N, d) -> (B, Hkv * group, N, d): each key/value head serves `group` query heads."""
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _fold(dx: np.ndarray, group: int) -> np.ndarray:
+    """Sum of the gradients of the query heads that share a key/value head."""
+    if group == 1:
+        return dx
+    b, h, n, d = dx.shape
+    return dx.reshape(b, h // group, group, n, d).sum(axis=2)
+
+
+def _prepare(q: Array, k: Array, v: Array, layout: str, scale: float | None):
+    _check_layout(layout)
+    two_d = np.ndim(q) == 2
+    qb, kb, vb = _to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout)
+    group = _group(qb.shape[1], kb.shape[1])
+    scale = default_scale(qb.shape[-1]) if scale is None else float(scale)
+    return qb, kb, vb, group, scale, two_d
+
+
+# ---------------------------------------------------------------------------------------------
+# Naive
+
+
+def scores_and_probabilities(
+    q: Array, k: Array, causal: bool = False, scale: float | None = None, layout: str = "bshd"
+) -> tuple[np.ndarray, np.ndarray]:
+    """S = scale * Q K^T (masked entries -inf) and P = softmax(S) per row (rows that see no key
+    are 0), float64, shape (B, Hq, Nq, Nk) (or (Nq, Nk) for 2-D input)."""
+    _check_layout(layout)
+    qb, kb = _to_bhsd(q, layout), _to_bhsd(k, layout)
+    group = _group(qb.shape[1], kb.shape[1])
+    scale = default_scale(qb.shape[-1]) if scale is None else float(scale)
+    s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    s = np.where(mask, s, -np.inf)
+    lse = _logsumexp(s)
+    p = _probabilities(s, lse, mask)
+    return (s[0, 0], p[0, 0]) if np.ndim(q) == 2 else (s, p)
+
+
+def _logsumexp(s: np.ndarray) -> np.ndarray:
+    """log(sum(exp(s))) along the last axis; -inf for rows of -inf only; exact for |s| ~ 1e4."""
+    if s.shape[-1] == 0:
+        return np.full(s.shape[:-1], -np.inf)
+    m = s.max(axis=-1)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(divide="ignore"):
+        return m_safe + np.log(np.exp(s - m_safe[..., None]).sum(axis=-1))
+
+
+def _probabilities(s: np.ndarray, lse: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """P = exp(S - lse) on visible entries of rows that see a key, 0 elsewhere."""
+    seen = mask & ~np.isneginf(lse)[..., None]
+    return np.where(
+        seen, np.exp(np.where(seen, s - np.where(np.isneginf(lse), 0, lse)[..., None], 0.0)), 0.0
+    )
+
+
+def forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Naive attention: (o, lse) in float64 (see the module docstring for shapes)."""
+    qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
+    s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    s = np.where(mask, s, -np.inf)
+    lse = _logsumexp(s)
+    p = _probabilities(s, lse, mask)
+    o = p @ _expand(vb, group)
+    return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
+
+
+def backward(
+    do: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    o: Array,
+    lse: Array,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Naive backward: (dq, dk, dv) of sum(o * do), float64, shaped like q, k, v."""
+    qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
+    dob, ob = _to_bhsd(do, layout), _to_bhsd(o, layout)
+    lseb = _lse_to_bh(lse, two_d)
+    ke, ve = _expand(kb, group), _expand(vb, group)
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    p = _probabilities(scale * (qb @ ke.transpose(0, 1, 3, 2)), lseb, mask)
+    delta = (dob * ob).sum(axis=-1, keepdims=True)
+    dv = p.transpose(0, 1, 3, 2) @ dob
+    dp = dob @ ve.transpose(0, 1, 3, 2)
+    ds = p * (dp - delta)
+    dq = scale * (ds @ ke)
+    dk = scale * (ds.transpose(0, 1, 3, 2) @ qb)
+    return (
+        _from_bhsd(dq, layout, two_d),
+        _from_bhsd(_fold(dk, group), layout, two_d),
+        _from_bhsd(_fold(dv, group), layout, two_d),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise: the algorithm of the kernels, step by step
+
+
+def _key_blocks(m0: int, rows: int, nq: int, nk: int, block_n: int, causal: bool) -> range:
+    """Key-block starts seen by query rows [m0, m0 + rows): blocks past the last key that the
+    block's last row sees are skipped (kernels_cu/mask.cuh, key_tiles_for_queries)."""
+    last_row = min(m0 + rows, nq) - 1
+    end = min(nk, last_row + (nk - nq) + 1) if causal else nk
+    return range(0, max(end, 0), block_n)
+
+
+def _query_blocks(n0: int, nq: int, nk: int, block_m: int, causal: bool) -> range:
+    """Query-block starts that can see key n0 (kernels_cu/mask.cuh, query_tiles_for_keys)."""
+    first = max(0, n0 - (nk - nq)) if causal else 0
+    return range((first // block_m) * block_m, nq, block_m)
+
+
+def forward_blockwise(
+    q: Array,
+    k: Array,
+    v: Array,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The forward kernel: per query block, the online softmax over key blocks (running max m,
+    running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end."""
+    qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
+    b, hq, nq, d = qb.shape
+    nk = kb.shape[2]
+    ke, ve = _expand(kb, group), _expand(vb, group)
+    o = np.zeros((b, hq, nq, vb.shape[-1]))
+    lse = np.full((b, hq, nq), -np.inf)
+    for m0 in range(0, nq, block_m):
+        rows = slice(m0, min(m0 + block_m, nq))
+        qi = qb[:, :, rows]
+        m = np.full(qi.shape[:3], -np.inf)  # running max of the scaled scores
+        l_ = np.zeros(qi.shape[:3])  # running sum of exp(s - m)
+        acc = np.zeros(qi.shape[:3] + (vb.shape[-1],))  # running sum of exp(s - m) v
+        for n0 in _key_blocks(m0, block_m, nq, nk, block_n, causal):
+            cols = slice(n0, min(n0 + block_n, nk))
+            s = scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2))
+            mask = _block_mask(rows, cols, nq, nk, causal)
+            s = np.where(mask, s, -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # no -inf - -inf
+            alpha = np.exp(m - m_use)
+            p = np.exp(s - m_use[..., None])
+            l_ = alpha * l_ + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + p @ ve[:, :, cols]
+            m = m_new
+        seen = l_ > 0
+        o[:, :, rows] = np.where(seen[..., None], acc / np.where(seen, l_, 1.0)[..., None], 0.0)
+        lse[:, :, rows] = np.where(seen, m + np.log(np.where(seen, l_, 1.0)), -np.inf)
+    return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
+
+
+def backward_blockwise(
+    do: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    o: Array,
+    lse: Array,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backward kernels: preprocess D = rowsum(dO * O); the dK/dV pass (per key block, over
+    the query blocks and query heads of its group that can see it); the dQ pass (per query block,
+    over the key blocks it sees). P is recomputed from lse; dK and dQ are scaled once at the end."""
+    qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
+    dob, ob = _to_bhsd(do, layout), _to_bhsd(o, layout)
+    lseb = _lse_to_bh(lse, two_d)
+    b, hq, nq, d = qb.shape
+    hkv, nk = kb.shape[1], kb.shape[2]
+    delta = (dob * ob).sum(axis=-1)  # preprocess
+    # A row that sees no key (lse = -inf) must give P = 0: use lse = +inf (as the kernels do).
+    lse_p = np.where(np.isneginf(lseb), np.inf, lseb)
+
+    def probs(qi: np.ndarray, kj: np.ndarray, lse_i: np.ndarray, rows: slice, cols: slice):
+        s = scale * (qi @ kj.transpose(0, 1, 3, 2))
+        with np.errstate(over="ignore", invalid="ignore"):
+            p = np.exp(s - lse_i[..., None])
+        return np.where(_block_mask(rows, cols, nq, nk, causal), p, 0.0)
+
+    dk = np.zeros_like(kb)
+    dv = np.zeros_like(vb)
+    for n0 in range(0, nk, block_n):  # dK/dV pass
+        cols = slice(n0, min(n0 + block_n, nk))
+        kj, vj = kb[:, :, cols], vb[:, :, cols]
+        acc_dk = np.zeros_like(kj)
+        acc_dv = np.zeros_like(vj)
+        for g in range(group):  # the query heads that share this key/value head
+            heads = np.arange(hkv) * group + g  # query head h uses key head h // group
+            for m0 in _query_blocks(n0, nq, nk, block_m, causal):
+                rows = slice(m0, min(m0 + block_m, nq))
+                qi, doi = qb[:, heads, rows], dob[:, heads, rows]
+                p = probs(qi, kj, lse_p[:, heads, rows], rows, cols)
+                acc_dv += p.transpose(0, 1, 3, 2) @ doi
+                dp = doi @ vj.transpose(0, 1, 3, 2)
+                ds = p * (dp - delta[:, heads, rows][..., None])
+                acc_dk += ds.transpose(0, 1, 3, 2) @ qi
+        dk[:, :, cols] = scale * acc_dk
+        dv[:, :, cols] = acc_dv
+
+    dq = np.zeros_like(qb)
+    ke, ve = _expand(kb, group), _expand(vb, group)
+    for m0 in range(0, nq, block_m):  # dQ pass
+        rows = slice(m0, min(m0 + block_m, nq))
+        qi, doi = qb[:, :, rows], dob[:, :, rows]
+        acc_dq = np.zeros_like(qi)
+        for n0 in _key_blocks(m0, block_m, nq, nk, block_n, causal):
+            cols = slice(n0, min(n0 + block_n, nk))
+            p = probs(qi, ke[:, :, cols], lse_p[:, :, rows], rows, cols)
+            dp = doi @ ve[:, :, cols].transpose(0, 1, 3, 2)
+            ds = p * (dp - delta[:, :, rows][..., None])
+            acc_dq += ds @ ke[:, :, cols]
+        dq[:, :, rows] = scale * acc_dq
+    return (
+        _from_bhsd(dq, layout, two_d),
+        _from_bhsd(dk, layout, two_d),
+        _from_bhsd(dv, layout, two_d),
+    )
