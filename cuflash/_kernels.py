@@ -1,0 +1,254 @@
+"""The one table that maps a call to a kernel template instance.
+
+Everything here is plain Python (no CuPy), so that the CPU compile check and the runtime loader
+read the same instances, tile sizes and launch shapes.
+
+Kernel families (one ``.cu`` file each in ``kernels_cu/``):
+  forward      O and lse                           tensor cores (fp16/bf16) or exact (fp32/fp64)
+  preprocess   D = rowsum(dO * O)                  every dtype
+  dkdv         dK, dV, one key tile per block      tensor cores or exact
+  dq           dQ, one query tile per block        tensor cores or exact
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+EXACT_DTYPES = ("float32", "float64")
+DTYPES = TENSOR_CORE_DTYPES + EXACT_DTYPES
+FAMILIES = ("forward", "preprocess", "dkdv", "dq")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+# C++ spelling of each dtype as a template argument.
+_CPP_ELEM = {
+    "float16": "cuflash::f16",
+    "bfloat16": "cuflash::bf16",
+    "float32": "float",
+    "float64": "double",
+}
+_SOURCE_FILE = {
+    ("forward", "mma"): "forward.cu",
+    ("dq", "mma"): "backward_dq.cu",
+    ("dkdv", "mma"): "backward_dkdv.cu",
+    ("forward", "exact"): "exact.cu",
+    ("dq", "exact"): "exact.cu",
+    ("dkdv", "exact"): "exact.cu",
+    ("preprocess", "any"): "backward_preprocess.cu",
+}
+_TEMPLATE = {
+    ("forward", "mma"): "attention_forward_mma",
+    ("dq", "mma"): "attention_backward_dq_mma",
+    ("dkdv", "mma"): "attention_backward_dkdv_mma",
+    ("forward", "exact"): "attention_forward_exact",
+    ("dq", "exact"): "attention_backward_dq_exact",
+    ("dkdv", "exact"): "attention_backward_dkdv_exact",
+    ("preprocess", "any"): "attention_backward_preprocess",
+}
+PREPROCESS_ROWS_PER_BLOCK = 8  # kernels_cu/backward_preprocess.cu
+
+# Tensor-core tile shapes per head-dim bucket. forward/dq: (BM, BN, warps);
+# dkdv: (BM, BN, warps, DSPLIT). Every configuration fits in 99 KB of shared memory, the limit of
+# sm_86/sm_89, so one table serves every architecture from sm_80 on.
+_MMA_TILES = {
+    "forward": {
+        32: (128, 64, 4),
+        64: (128, 64, 4),
+        96: (128, 32, 4),
+        128: (128, 32, 4),
+        160: (64, 32, 4),
+        192: (64, 32, 4),
+        224: (64, 32, 4),
+        256: (64, 32, 4),
+    },
+    "dq": {
+        32: (64, 64, 4),
+        64: (64, 64, 4),
+        96: (64, 64, 4),
+        128: (64, 64, 4),
+        160: (64, 16, 4),
+        192: (64, 16, 4),
+        224: (64, 16, 4),
+        256: (64, 16, 4),
+    },
+    "dkdv": {
+        32: (64, 64, 4, 1),
+        64: (64, 64, 4, 1),
+        96: (32, 64, 4, 1),
+        128: (32, 64, 4, 1),
+        160: (32, 32, 4, 2),
+        192: (32, 32, 4, 2),
+        224: (32, 32, 4, 2),
+        256: (32, 32, 4, 2),
+    },
+}
+# Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN.
+_EXACT_TILES = {
+    "float32": {
+        32: (64, 64, 4),
+        64: (64, 64, 4),
+        96: (32, 32, 4),
+        128: (32, 32, 4),
+        160: (16, 16, 8),
+        192: (16, 16, 8),
+        224: (16, 16, 8),
+        256: (16, 16, 8),
+    },
+    "float64": {
+        32: (32, 32, 4),
+        64: (32, 32, 4),
+        96: (16, 16, 4),
+        128: (16, 16, 4),
+        160: (8, 8, 8),
+        192: (8, 8, 8),
+        224: (8, 8, 8),
+        256: (8, 8, 8),
+    },
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One template instance: what to compile, and how to launch it."""
+
+    family: str
+    dtype: str
+    head_dim: int  # the bucket (template HD); 0 for preprocess
+    source: str  # file name in kernels_cu/
+    name_expression: str  # C++ name of the instance, for cupy.RawModule(name_expressions=...)
+    threads: int
+    smem_bytes: int
+    rows_per_block: int  # sequence rows a block owns: queries (keys for dkdv; rows for preprocess)
+    rows_per_step: int  # rows of each tile it streams: keys (queries for dkdv)
+
+
+def head_dim_bucket(d: int) -> int:
+    """Smallest template head dim >= d (d is padded with zeros inside the kernel)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if d <= bucket:
+            return bucket
+    raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
+
+
+def path_of(dtype: str) -> str:
+    return "mma" if dtype in TENSOR_CORE_DTYPES else "exact"
+
+
+@cache
+def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
+    """The instance that runs `family` for `dtype` and head dim `head_dim` (any d in 1..256)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"no kernel for dtype {dtype!r}")
+    elem, itemsize = _CPP_ELEM[dtype], ITEMSIZE[dtype]
+    if family == "preprocess":
+        key = ("preprocess", "any")
+        return KernelSpec(
+            family,
+            dtype,
+            0,
+            _SOURCE_FILE[key],
+            f"cuflash::{_TEMPLATE[key]}<{elem}>",
+            PREPROCESS_ROWS_PER_BLOCK * 32,
+            0,
+            PREPROCESS_ROWS_PER_BLOCK,
+            0,
+        )
+    hd = head_dim_bucket(head_dim)
+    path = path_of(dtype)
+    key = (family, path)
+    name = f"cuflash::{_TEMPLATE[key]}"
+    if path == "mma":
+        pitch_bytes = (hd + 8) * itemsize
+        if family == "dkdv":
+            bm, bn, warps, dsplit = _MMA_TILES["dkdv"][hd]
+            smem = (2 * bn + 2 * bm) * pitch_bytes + 2 * bm * 4
+            expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}, {dsplit}>"
+            # the block owns BN keys and streams BM-row query tiles
+            return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, smem, bn, bm)
+        bm, bn, warps = _MMA_TILES[family][hd]
+        rows = bm + 2 * bn if family == "forward" else 2 * bm + 2 * bn
+        expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}>"
+        return KernelSpec(
+            family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, rows * pitch_bytes, bm, bn
+        )
+    bm, bn, tpr = _EXACT_TILES[dtype][hd]
+    pitch_bytes = (hd + 1) * itemsize
+    expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {tpr}>"
+    if family == "forward":
+        smem = (bm + 2 * bn) * pitch_bytes
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
+    smem = (2 * bm + 2 * bn) * pitch_bytes
+    if family == "dkdv":
+        smem += 2 * bm * itemsize
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bn * tpr, smem, bn, bm)
+    return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
+
+
+def all_specs() -> list[KernelSpec]:
+    """Every instance the library can launch: what the compile check must cover."""
+    specs = [kernel_spec("preprocess", dt, 0) for dt in DTYPES]
+    for family in ("forward", "dkdv", "dq"):
+        for dt in DTYPES:
+            specs.extend(kernel_spec(family, dt, hd) for hd in HEAD_DIM_BUCKETS)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def kernel_dir() -> Path:
+    """kernels_cu/: inside the installed package (wheel) or beside it (source tree)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "forward.cu").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"cuflash could not find its CUDA sources (kernels_cu/) next to {here}; "
+        "the installation is incomplete"
+    )
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@cache
+def expanded_source(filename: str) -> str:
+    """The file with its local #include lines inlined (each header once).
+
+    The compiled-module cache is keyed by the source text, so the text handed to the compiler must
+    contain every header: an edited header then means a new key, never a stale binary.
+    """
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        text = text.replace("#pragma once\n", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+def kernel_arch(compute_capability: str) -> str:
+    """Target for a device's compute capability, e.g. '90' -> 'sm_90a', '86' -> 'sm_86'."""
+    cc = int(compute_capability)
+    if cc < 80:
+        raise RuntimeError(
+            f"cuflash needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere or later); "
+            f"this one is {cc // 10}.{cc % 10}"
+        )
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+COMPILE_OPTIONS = ("--std=c++17",)

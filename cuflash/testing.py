@@ -1,0 +1,167 @@
+"""The correctness policy of DESIGN.md, as code shared by the tests, the demo and the benchmark.
+
+A result passes when its error against the float64 reference is at most twice the error of a naive
+same-precision computation (inputs rounded to the dtype, matrix products with float32 accumulation
+rounded to the dtype, softmax in float32) plus a small absolute term: the rounding noise of the
+dtype at the magnitude of the values (the FlashAttention test-suite convention).
+
+Every function takes the array module `xp` (NumPy, or CuPy to do the float64 work on the GPU) and
+arrays in (B, H, N, d) order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .reference import visible_mask
+
+EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def round_to(x: Any, dtype: str, xp: Any = np) -> Any:
+    """Values rounded to `dtype` (round to nearest even), returned as float64."""
+    if dtype == "float64":
+        return x.astype(xp.float64)
+    if dtype in ("float16", "float32"):
+        return x.astype(dtype).astype(xp.float64)
+    bits = x.astype(xp.float32).view(xp.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & xp.uint32(0xFFFF0000)
+    out = rounded.view(xp.float32).astype(xp.float64)
+    return xp.where(xp.isnan(x), xp.nan, out)
+
+
+def _matmul(a: Any, b: Any, dtype: str, xp: Any) -> Any:
+    """a @ b as a tensor core computes it for `dtype` operands: exact products, float32
+    accumulation (float64 for float64), result rounded to the dtype."""
+    if dtype == "float64":
+        return a @ b
+    out = a.astype(xp.float32) @ b.astype(xp.float32)
+    return round_to(out, dtype, xp)
+
+
+def _expand_heads(x: Any, heads_q: int) -> Any:
+    return x if x.shape[1] == heads_q else x.repeat(heads_q // x.shape[1], axis=1)
+
+
+def _fold_heads(dx: Any, heads_kv: int) -> Any:
+    b, hq, n, d = dx.shape
+    return dx.reshape(b, heads_kv, hq // heads_kv, n, d).sum(axis=2)
+
+
+def _mask(nq: int, nk: int, causal: bool, xp: Any) -> Any:
+    return xp.asarray(visible_mask(nq, nk, causal))
+
+
+def naive_forward(
+    q: Any, k: Any, v: Any, *, causal: bool, scale: float, dtype: str, xp: Any = np
+) -> tuple[Any, Any]:
+    """Naive attention at `dtype` precision (float64 = the reference). Inputs (B, H, N, d)
+    already rounded to dtype; returns (o, lse) as float64 arrays."""
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    work = xp.float64 if dtype == "float64" else xp.float32
+    s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
+    mask = _mask(q.shape[2], k.shape[2], causal, xp)
+    s = xp.where(mask, s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
+    m_safe = xp.where(xp.isneginf(m), 0, m)
+    e = xp.exp(s - m_safe)
+    l_ = e.sum(axis=-1, keepdims=True)
+    p = xp.where(l_ > 0, e / xp.where(l_ > 0, l_, 1), 0)
+    o = _matmul(round_to(p, dtype, xp), v, dtype, xp)
+    lse = xp.where(l_[..., 0] > 0, (m_safe + xp.log(xp.where(l_ > 0, l_, 1)))[..., 0], -xp.inf)
+    return o.astype(xp.float64), lse.astype(xp.float64)
+
+
+def naive_backward(
+    do: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    *,
+    causal: bool,
+    scale: float,
+    dtype: str,
+    xp: Any = np,
+) -> tuple[Any, Any, Any]:
+    """Naive backward at `dtype` precision (float64 = the reference), (B, H, N, d) arrays."""
+    hkv = k.shape[1]
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    work = xp.float64 if dtype == "float64" else xp.float32
+    s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
+    mask = _mask(q.shape[2], k.shape[2], causal, xp) & ~xp.isneginf(lse)[..., None]
+    lse_safe = xp.where(xp.isneginf(lse), 0, lse).astype(work)[..., None]
+    p = xp.where(mask, xp.exp(xp.where(mask, s, 0) - lse_safe), 0)
+    delta = (do.astype(work) * o.astype(work)).sum(axis=-1, keepdims=True)
+    p_r = round_to(p, dtype, xp)
+    dv = _matmul(p_r.transpose(0, 1, 3, 2), do, dtype, xp)
+    dp = _matmul(do, v.transpose(0, 1, 3, 2), dtype, xp).astype(work)
+    ds = round_to(p * (dp - delta), dtype, xp)
+    dq = round_to(
+        _matmul(ds, k, "float64" if dtype == "float64" else "float32", xp) * scale, dtype, xp
+    )
+    dk = round_to(
+        _matmul(ds.transpose(0, 1, 3, 2), q, "float64" if dtype == "float64" else "float32", xp)
+        * scale,
+        dtype,
+        xp,
+    )
+    return (
+        dq.astype(xp.float64),
+        _fold_heads(dk, hkv).astype(xp.float64),
+        _fold_heads(dv, hkv).astype(xp.float64),
+    )
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison: passed, and the numbers behind the verdict."""
+
+    name: str
+    passed: bool
+    error: float  # max |got - ref| over finite reference entries
+    naive_error: float  # max |naive - ref|
+    bound: float  # 2 * naive_error + atol
+    relative: float  # ||got - ref|| / ||ref||
+    message: str
+
+    @property
+    def ratio(self) -> float:
+        """error / naive_error: how the kernel compares with the naive same-precision result."""
+        return (
+            self.error / self.naive_error
+            if self.naive_error > 0
+            else (0.0 if self.error == 0 else float("inf"))
+        )
+
+
+def compare(name: str, got: Any, ref: Any, naive: Any, dtype: str, xp: Any = np) -> Check:
+    """Applies the policy. Non-finite reference entries must be matched exactly (same inf, NaN
+    where NaN); NaN where the reference is finite always fails."""
+    got, ref, naive = (xp.asarray(x, dtype=xp.float64) for x in (got, ref, naive))
+    finite = xp.isfinite(ref)
+    same_nonfinite = bool(
+        xp.all(xp.where(finite, True, (got == ref) | (xp.isnan(got) & xp.isnan(ref))))
+    )
+    bad_nan = int(xp.count_nonzero(finite & ~xp.isfinite(got)))
+    diff = xp.where(finite, xp.abs(got - ref), 0)
+    ndiff = xp.where(finite, xp.abs(naive - ref), 0)
+    error = float(diff.max()) if diff.size else 0.0
+    naive_error = float(xp.nan_to_num(ndiff, nan=0.0, posinf=0.0).max()) if ndiff.size else 0.0
+    magnitude = float(xp.abs(xp.where(finite, ref, 0)).max()) if ref.size else 0.0
+    atol = 2 * EPS[dtype] * max(magnitude, 0.3) + 1e-12  # rounding noise at this magnitude
+    bound = 2 * naive_error + atol
+    norm = float(xp.linalg.norm(xp.where(finite, ref, 0).ravel())) if ref.size else 0.0
+    relative = float(xp.linalg.norm(diff.ravel())) / norm if norm > 0 else error
+    passed = same_nonfinite and bad_nan == 0 and error <= bound
+    message = (
+        f"{name}: max error {error:.3g} vs naive {naive_error:.3g} (bound {bound:.3g}), "
+        f"relative {relative:.3g}"
+        + ("" if same_nonfinite else ", non-finite entries differ from the reference")
+        + (f", {bad_nan} non-finite where the reference is finite" if bad_nan else "")
+    )
+    return Check(name, passed, error, naive_error, bound, relative, message)

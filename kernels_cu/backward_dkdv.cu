@@ -1,0 +1,200 @@
+// backward_dkdv.cu: dK and dV on the tensor cores, one block of keys per thread block.
+//
+// The block holds its K_j and V_j tile and walks every query tile that can see it, for every query
+// head of its group (grouped heads are summed here, not with atomics). Per query tile i:
+//   S^T = K_j Q_i^T,  P^T = exp(scale S^T - lse)       (keys are rows, queries are columns)
+//   dP^T = V_j dO_i^T, dS^T = P^T * (dP^T - D)
+//   dV += P^T dO_i,    dK += dS^T Q_i
+// Working on the transposes puts the keys on the rows, so each warp keeps P^T and dS^T in
+// registers and feeds them straight into the next product. A warp owns 16 keys and HD / DSPLIT
+// columns of dK and dV; with DSPLIT = 2 (large head dims) two warps share each 16 keys and both
+// compute S^T and dP^T for them, which halves the accumulator registers per warp.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tile.cuh"
+#include "mask.cuh"
+#include "gemm.cuh"
+
+namespace cuflash {
+
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int DSPLIT_>
+struct DkdvTraits {
+  typedef Elem_ Elem;
+  static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_, DSPLIT = DSPLIT_;
+  static constexpr int NTHREADS = NWARPS * 32;
+  static constexpr int PITCH = HD + 8;
+  static constexpr int HD_WARP = HD / DSPLIT;  // dK / dV columns owned by one warp
+  static constexpr int NT_Q = BM / 8;          // n8 tiles of S^T along the queries
+  static constexpr int NT_DW = HD_WARP / 8;    // n8 tiles of a warp's dK / dV slice
+  static constexpr int K_HD = HD / 16;         // k16 steps over the head dim
+  static constexpr int K_BM = BM / 16;         // k16 steps over the queries
+  static constexpr bool KV_IN_REGS = HD <= 64;
+  static_assert(BN == 16 * (NWARPS / DSPLIT), "each warp owns 16 keys");
+  static_assert(BM % 16 == 0 && HD_WARP % 16 == 0, "tiles are built from 16x16 fragments");
+};
+
+template <typename Tr>
+struct DkdvBlock {
+  typedef typename Tr::Elem Elem;
+  static constexpr int NT_Q = Tr::NT_Q, PITCH = Tr::PITCH, FR = Tr::KV_IN_REGS ? 1 : 0;
+
+  const unsigned short *sK, *sV;  // this warp's 16 rows of the K and V tiles
+  unsigned short *sQ, *sdO;
+  float *sLse2, *sDelta;
+  int n0, nq, nk, d, lane, key_row0, col0;
+  bool causal, vec;
+  float scale_log2;
+
+  float acc_dk[1][Tr::NT_DW][4];
+  float acc_dv[1][Tr::NT_DW][4];
+  unsigned k_frag[1][FR ? Tr::K_HD : 1][4];
+  unsigned v_frag[1][FR ? Tr::K_HD : 1][4];
+
+  // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
+  __device__ __forceinline__ void load_query_tile(const unsigned short* q_head, i64 q_ss,
+                                                  const unsigned short* do_head, i64 do_ss,
+                                                  const float* lse_head, i64 lse_ss,
+                                                  const float* delta_head, int m0) {
+    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, m0, nq, d, vec);
+    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sdO, do_head, do_ss, m0, nq, d, vec);
+    cp_async_commit();
+    for (int r = threadIdx.x; r < Tr::BM; r += Tr::NTHREADS) {
+      const int row = m0 + r;
+      float l = inf_f32(), dl = 0.f;
+      if (row < nq) {
+        l = lse_head[row * lse_ss];
+        l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
+        dl = delta_head[row];
+      }
+      sLse2[r] = l;
+      sDelta[r] = dl;
+    }
+  }
+
+  template <bool MASKED>
+  __device__ __forceinline__ void process_query_tile(int m0) {
+    const int g = lane >> 2, t = lane & 3;
+    float st[1][NT_Q][4], dpt[1][NT_Q][4];
+    fill(st, 0.f);
+    fill(dpt, 0.f);
+    if constexpr (FR) {
+      gemm_abt<Elem, 1, NT_Q, Tr::K_HD, PITCH>(st, k_frag, sQ, lane);    // S^T = K Q_i^T
+      gemm_abt<Elem, 1, NT_Q, Tr::K_HD, PITCH>(dpt, v_frag, sdO, lane);  // dP^T = V dO_i^T
+    } else {
+      gemm_abt<Elem, 1, NT_Q, Tr::K_HD, PITCH, PITCH>(st, sK, sQ, lane);
+      gemm_abt<Elem, 1, NT_Q, Tr::K_HD, PITCH, PITCH>(dpt, sV, sdO, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
+        float p = fast_exp2(fmaf(st[0][nt][e], scale_log2, -sLse2[qc]));
+        if constexpr (MASKED) {
+          const int key = n0 + key_row0 + g + ((e >> 1) << 3);
+          if (!key_visible(m0 + qc, key, nq, nk, causal)) p = 0.f;
+        }
+        st[0][nt][e] = p;                              // P^T
+        dpt[0][nt][e] = p * (dpt[0][nt][e] - sDelta[qc]);  // dS^T
+      }
+    gemm_pb<Elem, 1, Tr::NT_DW, Tr::K_BM, PITCH>(acc_dv, st, sdO + col0, lane);  // dV += P^T dO_i
+    gemm_pb<Elem, 1, Tr::NT_DW, Tr::K_BM, PITCH>(acc_dk, dpt, sQ + col0, lane);  // dK += dS^T Q_i
+  }
+};
+
+template <typename Elem, int HD, int BM, int BN, int NWARPS, int DSPLIT>
+__global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
+    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dk,
+    unsigned short* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss,
+    i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh,
+    i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss, int hq,
+    int group, int nq, int nk, int d, float scale, int causal, int vec, int num_n_blocks) {
+  typedef DkdvTraits<Elem, HD, BM, BN, NWARPS, DSPLIT> Tr;
+  constexpr int PITCH = Tr::PITCH;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned short* sK = reinterpret_cast<unsigned short*>(smem_raw);
+  unsigned short* sV = sK + BN * PITCH;
+
+  const int hkv = hq / group;
+  const BlockCoords bc = decode_block(hkv, num_n_blocks);  // bc.head is the key/value head
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  DkdvBlock<Tr> blk;
+  blk.key_row0 = (warp % (NWARPS / DSPLIT)) * 16;
+  blk.col0 = (warp / (NWARPS / DSPLIT)) * Tr::HD_WARP;
+  blk.sK = sK + blk.key_row0 * PITCH;
+  blk.sV = sV + blk.key_row0 * PITCH;
+  blk.sQ = sV + BN * PITCH;
+  blk.sdO = blk.sQ + BM * PITCH;
+  blk.sLse2 = reinterpret_cast<float*>(blk.sdO + BM * PITCH);
+  blk.sDelta = blk.sLse2 + BM;
+  blk.n0 = bc.block * BN;
+  blk.nq = nq;
+  blk.nk = nk;
+  blk.d = d;
+  blk.lane = lane;
+  blk.causal = causal != 0;
+  blk.vec = vec != 0;
+  blk.scale_log2 = scale * 1.4426950408889634f;
+  fill(blk.acc_dk, 0.f);
+  fill(blk.acc_dv, 0.f);
+
+  const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head);
+  const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head);
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sK, k_head, k_ss, blk.n0, nk, d, blk.vec);
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sV, v_head, v_ss, blk.n0, nk, d, blk.vec);
+
+  // The work list: every (query head of the group, query tile that sees these keys).
+  const QueryTiles tiles = query_tiles_for_keys(blk.n0, BN, BM, nq, nk, blk.causal);
+  const int tiles_per_head = tiles.count - tiles.first;
+  const int num_steps = group * tiles_per_head;
+  const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
+  const Strides lse_str = make_strides(lse_sb, lse_sh, lse_ss);
+  auto load_step = [&](int step) {
+    const int head = bc.head * group + step / tiles_per_head;
+    const int m0 = (tiles.first + step % tiles_per_head) * BM;
+    blk.load_query_tile(head_ptr(q, q_str, bc.batch, head), q_ss,
+                        head_ptr(dout, do_str, bc.batch, head), do_ss,
+                        head_ptr(lse, lse_str, bc.batch, head), lse_ss,
+                        delta + (static_cast<i64>(bc.batch) * hq + head) * nq, m0);
+  };
+  if (num_steps > 0) load_step(0);
+  cp_async_commit();
+
+  for (int step = 0; step < num_steps; ++step) {
+    cp_async_wait<0>();
+    __syncthreads();  // Q_i, dO_i, lse_i, D_i (and K, V on the first step) are in shared memory
+    if constexpr (Tr::KV_IN_REGS) {
+      if (step == 0) {
+        load_a_frags<1, Tr::K_HD, PITCH>(blk.k_frag, blk.sK, lane);
+        load_a_frags<1, Tr::K_HD, PITCH>(blk.v_frag, blk.sV, lane);
+      }
+    }
+    const int mb = tiles.first + step % tiles_per_head;
+    if (mb < tiles.unmasked_from)
+      blk.template process_query_tile<true>(mb * BM);
+    else
+      blk.template process_query_tile<false>(mb * BM);
+    if (step + 1 < num_steps) {
+      __syncthreads();  // every warp is done with Q_i, dO_i, lse_i, D_i
+      load_step(step + 1);
+    }
+  }
+
+  // Epilogue: dK = scale * acc_dk and dV, staged through the K and V tiles.
+  cp_async_wait<0>();
+  __syncthreads();
+  stage_accumulators<Elem, 1, Tr::NT_DW, PITCH>(sK + blk.key_row0 * PITCH + blk.col0, blk.acc_dk,
+                                                scale, lane);
+  stage_accumulators<Elem, 1, Tr::NT_DW, PITCH>(sV + blk.key_row0 * PITCH + blk.col0, blk.acc_dv,
+                                                1.f, lane);
+  __syncthreads();
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head),
+                                          sK, dk_ss, blk.n0, nk, d, blk.vec);
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr(dv, make_strides(dv_sb, dv_sh, dv_ss), bc.batch, bc.head),
+                                          sV, dv_ss, blk.n0, nk, d, blk.vec);
+}
+
+}  // namespace cuflash

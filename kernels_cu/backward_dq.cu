@@ -1,0 +1,192 @@
+// backward_dq.cu: dQ = scale * dS K on the tensor cores, one block of query rows per thread block.
+//
+// Per key tile j (same visible range as the forward pass):
+//   S = Q K_j^T,  P = exp(scale S - lse)   (recomputed from the saved lse, never stored)
+//   dP = dO V_j^T,  dS = P * (dP - D)
+//   dQ += dS K_j
+// Each warp owns MT 16-row m tiles; S, P, dP and dS stay in registers. No atomics: dQ is written
+// once, so the result is bitwise deterministic.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tile.cuh"
+#include "mask.cuh"
+#include "gemm.cuh"
+
+namespace cuflash {
+
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_>
+struct DqTraits {
+  typedef Elem_ Elem;
+  static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
+  static constexpr int NTHREADS = NWARPS * 32;
+  static constexpr int MT = BM / (16 * NWARPS);
+  static constexpr int PITCH = HD + 8;
+  static constexpr int NT_S = BN / 8;   // n8 tiles of S and dP
+  static constexpr int NT_D = HD / 8;   // n8 tiles of dQ
+  static constexpr int K_HD = HD / 16;  // k16 steps over the head dim
+  static constexpr int K_BN = BN / 16;  // k16 steps over the keys
+  static constexpr bool QDO_IN_REGS = MT * HD <= 64;
+  static_assert(BM % (16 * NWARPS) == 0, "BM must give each warp whole 16-row tiles");
+  static_assert(BN % 16 == 0 && HD % 16 == 0, "tiles are built from 16x16 fragments");
+};
+
+template <typename Tr>
+struct DqBlock {
+  typedef typename Tr::Elem Elem;
+  static constexpr int MT = Tr::MT, NT_S = Tr::NT_S, PITCH = Tr::PITCH, FR = Tr::QDO_IN_REGS ? 1 : 0;
+
+  const unsigned short *sQ, *sdO;  // this warp's first row of the Q and dO tiles
+  unsigned short *sK, *sV;
+  const unsigned short *k_head, *v_head;
+  i64 k_seq_stride, v_seq_stride;
+  int m0, nq, nk, d, lane, warp_row0;
+  bool causal, vec;
+  float scale_log2;
+
+  float lse2[MT][2];   // lse * log2(e) of rows g, g + 8 (+inf for a row that sees no key)
+  float delta[MT][2];  // D of the same rows
+  float acc_dq[MT][Tr::NT_D][4];
+  unsigned q_frag[FR ? MT : 1][FR ? Tr::K_HD : 1][4];
+  unsigned do_frag[FR ? MT : 1][FR ? Tr::K_HD : 1][4];
+
+  // P = exp(scale S - lse), 0 where the key is invisible.
+  template <bool MASKED>
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
+          if constexpr (MASKED) {
+            const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            if (!key_visible(i, j, nq, nk, causal)) p = 0.f;
+          }
+          s[mt][nt][e] = p;
+        }
+  }
+
+  template <bool MASKED>
+  __device__ __forceinline__ void process_key_tile(int j, int num_tiles) {
+    cp_async_wait<0>();
+    __syncthreads();  // K_j and V_j have landed
+    if constexpr (FR) {
+      if (j == 0) {
+        load_a_frags<MT, Tr::K_HD, PITCH>(q_frag, sQ, lane);
+        load_a_frags<MT, Tr::K_HD, PITCH>(do_frag, sdO, lane);
+      }
+    }
+    float s[MT][NT_S][4], dp[MT][NT_S][4];
+    fill(s, 0.f);
+    fill(dp, 0.f);
+    if constexpr (FR) {
+      gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH>(s, q_frag, sK, lane);    // S = Q K_j^T
+      gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH>(dp, do_frag, sV, lane);  // dP = dO V_j^T
+    } else {
+      gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(s, sQ, sK, lane);
+      gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(dp, sdO, sV, lane);
+    }
+    probabilities<MASKED>(s, j * Tr::BN);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)  // dS = P * (dP - D), in place of dP
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - delta[mt][e >> 1]);
+    gemm_pb<Elem, MT, Tr::NT_D, Tr::K_BN, PITCH>(acc_dq, dp, sK, lane);  // dQ += dS K_j
+    if (j + 1 < num_tiles) {
+      __syncthreads();  // every warp is done with K_j and V_j
+      const int n1 = (j + 1) * Tr::BN;
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, n1, nk, d, vec);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, n1, nk, d, vec);
+      cp_async_commit();
+    }
+  }
+};
+
+template <typename Elem, int HD, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
+    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dq,
+    i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
+    i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss, i64 dq_sb, i64 dq_sh,
+    i64 dq_ss, int hq, int group, int nq, int nk, int d, float scale, int causal, int vec,
+    int num_m_blocks) {
+  typedef DqTraits<Elem, HD, BM, BN, NWARPS> Tr;
+  constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
+  unsigned short* sdO = sQ + BM * PITCH;
+
+  const BlockCoords bc = decode_block(hq, num_m_blocks);
+  const int kv_head = bc.head / group;
+  const int lane = threadIdx.x & 31;
+
+  DqBlock<Tr> blk;
+  blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
+  blk.sQ = sQ + blk.warp_row0 * PITCH;
+  blk.sdO = sdO + blk.warp_row0 * PITCH;
+  blk.sK = sdO + BM * PITCH;
+  blk.sV = blk.sK + BN * PITCH;
+  blk.k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
+  blk.v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
+  blk.k_seq_stride = k_ss;
+  blk.v_seq_stride = v_ss;
+  blk.m0 = bc.block * BM;
+  blk.nq = nq;
+  blk.nk = nk;
+  blk.d = d;
+  blk.lane = lane;
+  blk.causal = causal != 0;
+  blk.vec = vec != 0;
+  blk.scale_log2 = scale * 1.4426950408889634f;
+  fill(blk.acc_dq, 0.f);
+
+  // This lane's rows: lse in log2 units (a row that sees no key has lse = -inf: use +inf so that
+  // P = 0 instead of exp(inf)), and D. Padded rows get P = 0 and D = 0.
+  const float* lse_head = lse + bc.batch * lse_sb + bc.head * lse_sh;
+  const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = blk.m0 + blk.warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
+      float l = inf_f32(), dl = 0.f;
+      if (row < nq) {
+        l = lse_head[row * lse_ss];
+        l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
+        dl = delta_head[row];
+      }
+      blk.lse2[mt][r] = l;
+      blk.delta[mt][r] = dl;
+    }
+
+  const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);
+  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
+  const unsigned short* do_head = head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO, do_head, do_ss, blk.m0, nq, d, blk.vec);
+  if (tiles.count > 0) {
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, 0, nk, d, blk.vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_head, v_ss, 0, nk, d, blk.vec);
+  }
+  cp_async_commit();
+
+  int j = 0;
+  for (; j < tiles.full; ++j) blk.template process_key_tile<false>(j, tiles.count);
+  for (; j < tiles.count; ++j) blk.template process_key_tile<true>(j, tiles.count);
+
+  // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
+  cp_async_wait<0>();
+  __syncthreads();
+  stage_accumulators<Elem, MT, Tr::NT_D, PITCH>(sQ + blk.warp_row0 * PITCH, blk.acc_dq, scale, lane);
+  __syncthreads();
+  unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
+  store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, dq_ss, blk.m0, nq, d, blk.vec);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,118 @@
+// common.cuh: element types, conversions and small device utilities shared by every kernel.
+//
+// The sources are compiled by NVRTC (through CuPy) and by nvcc (the CPU compile check), so they
+// include no system or toolkit header: half and bfloat16 values are carried as raw 16-bit words
+// and converted with PTX instructions.
+#pragma once
+
+namespace cuflash {
+
+typedef long long i64;
+
+// Tag types naming the 16-bit element formats; the data itself is stored as unsigned short.
+struct f16 {};
+struct bf16 {};
+
+__device__ __forceinline__ float inf_f32() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ double inf_f64() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+template <typename T> __device__ __forceinline__ T infinity();
+template <> __device__ __forceinline__ float infinity<float>() { return inf_f32(); }
+template <> __device__ __forceinline__ double infinity<double>() { return inf_f64(); }
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ElemTraits<E>: how an element format is stored in memory, which type accumulates it, and the
+// conversions between the two. The lse and D vectors are stored in the accumulator type.
+template <typename E> struct ElemTraits;
+
+template <> struct ElemTraits<f16> {
+  typedef unsigned short storage;
+  typedef float acc;
+  static __device__ __forceinline__ float to_acc(unsigned short x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+  }
+  static __device__ __forceinline__ unsigned short from_acc(float f) {
+    unsigned short x;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+  }
+  // Two floats rounded to half and packed into one 32-bit register, lo in the low half.
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <> struct ElemTraits<bf16> {
+  typedef unsigned short storage;
+  typedef float acc;
+  static __device__ __forceinline__ float to_acc(unsigned short x) {
+    return __uint_as_float(static_cast<unsigned>(x) << 16);
+  }
+  static __device__ __forceinline__ unsigned short from_acc(float f) {
+    unsigned short x;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+  }
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <> struct ElemTraits<float> {
+  typedef float storage;
+  typedef float acc;
+  static __device__ __forceinline__ float to_acc(float x) { return x; }
+  static __device__ __forceinline__ float from_acc(float x) { return x; }
+};
+
+template <> struct ElemTraits<double> {
+  typedef double storage;
+  typedef double acc;
+  static __device__ __forceinline__ double to_acc(double x) { return x; }
+  static __device__ __forceinline__ double from_acc(double x) { return x; }
+};
+
+// Strides of one (batch, sequence, head, dim) tensor, in elements; the dim stride is 1.
+struct Strides {
+  i64 batch, head, seq;
+};
+
+__device__ __forceinline__ Strides make_strides(i64 batch, i64 head, i64 seq) {
+  Strides s;
+  s.batch = batch;
+  s.head = head;
+  s.seq = seq;
+  return s;
+}
+
+// Pointer to row 0 of head `head` of sequence `batch`: 64-bit offsets throughout.
+template <typename T>
+__device__ __forceinline__ T* head_ptr(T* base, const Strides& s, int batch, int head) {
+  return base + static_cast<i64>(batch) * s.batch + static_cast<i64>(head) * s.head;
+}
+
+// The block's work item, decoded from a flat blockIdx.x so that B * H is not limited to 65535.
+// Blocks of one (batch, head) are adjacent, so they share K and V in L2; within a head the
+// heaviest (last, under causal masking) row block is scheduled first.
+struct BlockCoords {
+  int batch, head, block;
+};
+
+__device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
+  const i64 bid = blockIdx.x;
+  BlockCoords c;
+  const i64 bh = bid / num_blocks;
+  c.block = num_blocks - 1 - static_cast<int>(bid - bh * num_blocks);
+  c.batch = static_cast<int>(bh / heads);
+  c.head = static_cast<int>(bh - static_cast<i64>(c.batch) * heads);
+  return c;
+}
+
+}  // namespace cuflash

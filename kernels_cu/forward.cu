@@ -1,0 +1,171 @@
+// forward.cu: the FlashAttention-2 forward pass on the tensor cores (float16 / bfloat16 operands,
+// float32 accumulation). Writes O and the logsumexp lse.
+//
+// One thread block owns BM query rows of one (batch, head); each warp owns MT 16-row m tiles of
+// them. The block walks the key/value tiles of BN keys: K_j and V_j are staged in shared memory
+// with cp.async (V_j streams in while S = Q K_j^T is computed, K_{j+1} while O += P V_j is), the
+// scores and probabilities never leave registers, and the output is normalised once at the end.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tile.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "gemm.cuh"
+
+namespace cuflash {
+
+// Compile-time shape of one forward configuration (the Python side picks BM, BN, NWARPS).
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_>
+struct ForwardTraits {
+  typedef Elem_ Elem;
+  static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
+  static constexpr int NTHREADS = NWARPS * 32;
+  static constexpr int MT = BM / (16 * NWARPS);  // 16-row m tiles per warp
+  static constexpr int PITCH = HD + 8;            // +16 bytes a row: conflict-free ldmatrix
+  static constexpr int NT_S = BN / 8;             // n8 tiles of a score tile
+  static constexpr int NT_O = HD / 8;             // n8 tiles of the output accumulator
+  static constexpr int K_QK = HD / 16;            // k16 steps of Q K^T
+  static constexpr int K_PV = BN / 16;            // k16 steps of P V
+  static constexpr bool Q_IN_REGS = MT * HD <= 128;
+  static_assert(BM % (16 * NWARPS) == 0, "BM must give each warp whole 16-row tiles");
+  static_assert(BN % 16 == 0 && HD % 16 == 0, "tiles are built from 16x16 fragments");
+};
+
+template <typename Tr>
+struct ForwardBlock {
+  typedef typename Tr::Elem Elem;
+  static constexpr int MT = Tr::MT, NT_S = Tr::NT_S, NT_O = Tr::NT_O, PITCH = Tr::PITCH;
+
+  unsigned short *sQ, *sK, *sV;  // sQ points at this warp's first row
+  const unsigned short *k_head, *v_head;
+  i64 k_seq_stride, v_seq_stride;
+  int m0, nq, nk, d, lane, warp_row0;
+  bool causal, vec;
+  float scale_log2;
+
+  float acc_o[MT][NT_O][4];  // unnormalised O of this warp's rows
+  unsigned q_frag[Tr::Q_IN_REGS ? MT : 1][Tr::Q_IN_REGS ? Tr::K_QK : 1][4];
+  OnlineSoftmax<MT> softmax;
+
+  // S = Q K_j^T for this warp's rows (raw scores: the scale is applied in the softmax).
+  __device__ __forceinline__ void scores_tile(float (&s)[MT][NT_S][4]) const {
+    fill(s, 0.f);
+    if constexpr (Tr::Q_IN_REGS) {
+      gemm_abt<Elem, MT, NT_S, Tr::K_QK, PITCH>(s, q_frag, sK, lane);
+    } else {
+      gemm_abt<Elem, MT, NT_S, Tr::K_QK, PITCH, PITCH>(s, sQ, sK, lane);
+    }
+  }
+
+  // S_ij = -inf where query i may not see key j (causal diagonal, keys past the end).
+  __device__ __forceinline__ void apply_mask(float (&s)[MT][NT_S][4], int n0) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          if (!key_visible(i, j, nq, nk, causal)) s[mt][nt][e] = -inf_f32();
+        }
+  }
+
+  // One key/value tile: the loop body of the forward pass. K_j is already in flight.
+  template <bool MASKED>
+  __device__ __forceinline__ void process_key_tile(int j, int num_tiles) {
+    cp_async_wait<0>();
+    __syncthreads();  // K_j (and Q, on the first tile) have landed; V_{j-1} is no longer read
+    load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, j * Tr::BN, nk, d, vec);
+    cp_async_commit();
+    if constexpr (Tr::Q_IN_REGS) {
+      if (j == 0) load_a_frags<MT, Tr::K_QK, PITCH>(q_frag, sQ, lane);
+    }
+    float s[MT][NT_S][4];
+    scores_tile(s);
+    if constexpr (MASKED) apply_mask(s, j * Tr::BN);
+    softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised)
+    cp_async_wait<0>();
+    __syncthreads();  // V_j has landed; every warp is done with K_j
+    if (j + 1 < num_tiles) {
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, (j + 1) * Tr::BN,
+                                                    nk, d, vec);
+      cp_async_commit();
+    }
+    gemm_pb<Elem, MT, NT_O, Tr::K_PV, PITCH>(acc_o, s, sV, lane);  // O += P V_j
+  }
+};
+
+template <typename Elem, int HD, int BM, int BN, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+    attention_forward_mma(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                          const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
+                          float* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb,
+                          i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh,
+                          i64 o_ss, int hq, int group, int nq, int nk, int d, float scale,
+                          int causal, int vec, int num_m_blocks) {
+  typedef ForwardTraits<Elem, HD, BM, BN, NWARPS> Tr;
+  constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
+
+  const BlockCoords bc = decode_block(hq, num_m_blocks);
+  const int kv_head = bc.head / group;
+  const int lane = threadIdx.x & 31;
+
+  ForwardBlock<Tr> blk;
+  blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
+  blk.sQ = sQ + blk.warp_row0 * PITCH;
+  blk.sK = sQ + BM * PITCH;
+  blk.sV = blk.sK + BN * PITCH;
+  blk.k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
+  blk.v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
+  blk.k_seq_stride = k_ss;
+  blk.v_seq_stride = v_ss;
+  blk.m0 = bc.block * BM;
+  blk.nq = nq;
+  blk.nk = nk;
+  blk.d = d;
+  blk.lane = lane;
+  blk.causal = causal != 0;
+  blk.vec = vec != 0;
+  blk.scale_log2 = scale * 1.4426950408889634f;
+  fill(blk.acc_o, 0.f);
+  blk.softmax.init();
+
+  // Q tile and the first K tile; everything after this runs tile by tile.
+  const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);
+  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
+  if (tiles.count > 0)
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, 0, nk, d, blk.vec);
+  cp_async_commit();
+
+  // Unmasked tiles first, then the few that straddle the diagonal or the end of the keys.
+  int j = 0;
+  for (; j < tiles.full; ++j) blk.template process_key_tile<false>(j, tiles.count);
+  for (; j < tiles.count; ++j) blk.template process_key_tile<true>(j, tiles.count);
+
+  // Epilogue: normalise once, stage O through shared memory, store with wide writes.
+  float lse_rows[MT][2];
+  blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
+  cp_async_wait<0>();
+  __syncthreads();  // no copy into sQ is in flight and no warp still reads it
+  stage_accumulators<Elem, MT, Tr::NT_O, PITCH>(blk.sQ, blk.acc_o, 1.f, lane);
+  __syncthreads();
+  unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
+  store_tile<BM, HD, PITCH, Tr::NTHREADS>(o_head, sQ, o_ss, blk.m0, nq, d, blk.vec);
+  if ((lane & 3) == 0) {
+    float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = blk.m0 + blk.warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
+        if (row < nq) lse_head[row] = lse_rows[mt][r];
+      }
+  }
+}
+
+}  // namespace cuflash

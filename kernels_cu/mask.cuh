@@ -1,0 +1,58 @@
+// mask.cuh: which keys a query row may see, and which tiles need the mask at all.
+//
+// Causal masking is aligned to the bottom-right corner (FlashAttention >= 2.1): query i sees key j
+// when j <= i + nk - nq. Keys j >= nk are padding and are never seen. Tiles that lie entirely in
+// the visible region are processed by the unmasked loop body; only the tiles that straddle the
+// diagonal or the end of the keys run the masked body; tiles entirely invisible are skipped.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ bool key_visible(int i, int j, int nq, int nk, bool causal) {
+  return j < nk && (!causal || j <= i + (nk - nq));
+}
+
+// Key tiles for the query rows [m0, m0 + bm): tiles [0, full) need no mask, tiles [full, count)
+// need it, tiles >= count are invisible to every (real) row of the block.
+struct KeyTiles {
+  int full, count;
+};
+
+__device__ __forceinline__ KeyTiles key_tiles_for_queries(int m0, int bm, int bn, int nq, int nk,
+                                                          bool causal) {
+  const int last_row = min(m0 + bm, nq) - 1;
+  // Exclusive end of the keys seen by the last real row, and of the keys seen by every row.
+  const int seen_by_last = causal ? min(nk, last_row + (nk - nq) + 1) : nk;
+  const int seen_by_all = causal ? min(nk, m0 + (nk - nq) + 1) : nk;
+  KeyTiles t;
+  t.count = seen_by_last > 0 ? ceil_div(seen_by_last, bn) : 0;
+  t.full = min(t.count, seen_by_all > 0 ? seen_by_all / bn : 0);
+  return t;
+}
+
+// Query tiles for the keys [n0, n0 + bn): tiles [first, unmasked_from) need the causal mask,
+// tiles [unmasked_from, count) do not. Padded query rows (>= nq) are neutralised through their
+// lse (+inf, so P = 0) and their zero dO, not through the mask.
+struct QueryTiles {
+  int first, unmasked_from, count;
+};
+
+__device__ __forceinline__ QueryTiles query_tiles_for_keys(int n0, int bn, int bm, int nq, int nk,
+                                                           bool causal) {
+  QueryTiles t;
+  t.count = ceil_div(nq, bm);
+  if (!causal) {
+    t.first = 0;
+    t.unmasked_from = 0;
+    return t;
+  }
+  // First query that sees key n0, and first query that sees the block's last key n0 + bn - 1.
+  const int first_seeing = max(0, n0 - (nk - nq));
+  const int first_seeing_all = max(0, n0 + bn - 1 - (nk - nq));
+  t.first = min(t.count, first_seeing / bm);
+  t.unmasked_from = min(t.count, max(t.first, ceil_div(first_seeing_all, bm)));
+  return t;
+}
+
+}  // namespace cuflash

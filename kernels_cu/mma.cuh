@@ -1,0 +1,112 @@
+// mma.cuh: wrappers for the sm_80+ instructions the tensor-core kernels are built from:
+// cp.async (global -> shared copies), ldmatrix (shared -> register fragments) and
+// mma.sync m16n8k16 (16x8x16 matrix product, fp16/bf16 operands, fp32 accumulators).
+//
+// Fragment layout of mma.m16n8k16 (lane = 4 * g + t):
+//   A (16x16, row-major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16x8, "col"):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C (16x8, fp32):       c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy global -> shared; with `valid` false the 16 bytes are zero-filled and
+// nothing is read (src must still be a mapped address, callers pass the tensor's base).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l supplies the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// As ldmatrix_x4, each 8x8 matrix transposed on the way.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += A * B for one m16n8k16 tile.
+template <typename Elem>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<f16>(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                               unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                                unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Lane offsets (row, col) into a 16x16 block for the ldmatrix_x4 address patterns used below.
+// A operand, row-major tile [m][k]: matrices (m0-7,k0-7), (m8-15,k0-7), (m0-7,k8-15), (m8-15,k8-15).
+__device__ __forceinline__ int a_frag_row(int lane) { return lane & 15; }
+__device__ __forceinline__ int a_frag_col(int lane) { return (lane >> 4) << 3; }
+// B operand of two n8 tiles stored as [n][k] (e.g. K for Q K^T): matrices
+// (n0-7,k0-7), (n0-7,k8-15), (n8-15,k0-7), (n8-15,k8-15) -> b0,b1 of tile 0, b0,b1 of tile 1.
+__device__ __forceinline__ int bt_frag_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int bt_frag_col(int lane) { return ((lane >> 3) & 1) << 3; }
+// B operand of two n8 tiles stored as [k][n] (e.g. V for P V), read with ldmatrix .trans:
+// matrices (k0-7,n0-7), (k8-15,n0-7), (k0-7,n8-15), (k8-15,n8-15).
+__device__ __forceinline__ int b_frag_row(int lane) { return (lane & 7) + (((lane >> 3) & 1) << 3); }
+__device__ __forceinline__ int b_frag_col(int lane) { return (lane >> 4) << 3; }
+
+// Converts two n8 accumulator tiles (16 x 16 of fp32, C layout) into one A fragment (16 x 16 of
+// Elem): the register reuse that lets P and dS stay in registers between two matrix products.
+template <typename Elem>
+__device__ __forceinline__ void accum_to_a_frag(unsigned (&a)[4], const float (&c0)[4],
+                                                const float (&c1)[4]) {
+  a[0] = ElemTraits<Elem>::pack2(c0[0], c0[1]);
+  a[1] = ElemTraits<Elem>::pack2(c0[2], c0[3]);
+  a[2] = ElemTraits<Elem>::pack2(c1[0], c1[1]);
+  a[3] = ElemTraits<Elem>::pack2(c1[2], c1[3]);
+}
+
+// Butterfly reductions over the 4 lanes of a quad (the lanes that share an accumulator row).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace cuflash

@@ -1,0 +1,91 @@
+// softmax.cuh: the online softmax of the forward pass, on mma.m16n8k16 accumulator fragments.
+//
+// Each lane holds two rows of every 16-row m tile (rows g and g + 8, see mma.cuh). Scores stay in
+// raw units (s = q . k); the softmax scale is folded with log2(e) into one FMA per element:
+//   p = exp2(s * scale_log2 - m * scale_log2),  m = running row max of s.
+// The running sum is kept per lane (each lane sums its own columns) and reduced across the quad
+// once, at the end; rescaling by alpha keeps the partial sums consistent.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+template <int MT>
+struct OnlineSoftmax {
+  float row_max[MT][2];  // running max of the raw scores of rows g and g + 8 of each m tile
+  float row_sum[MT][2];  // this lane's share of sum_j exp2((s_j - row_max) * scale_log2)
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_max[mt][r] = -inf_f32();
+        row_sum[mt][r] = 0.f;
+      }
+    }
+  }
+
+  // m_new = max(m, rowmax(S)); acc *= exp(m - m_new); S <- P = exp(S - m_new); l = alpha l + rowsum(P).
+  // A row that has seen no key yet keeps m = -inf; exponents then use 0 in place of m_new so that
+  // no -inf - -inf = NaN appears (its P and alpha are 0).
+  template <int NT_S, int NT_O>
+  __device__ __forceinline__ void update(float (&s)[MT][NT_S][4], float (&acc)[MT][NT_O][4],
+                                         float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -inf_f32();
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(row_max[mt][r], mx);
+        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
+        const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+        row_max[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -m_scaled));
+            s[mt][nt][e] = p;
+            sum += p;
+          }
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          acc[mt][nt][2 * r] *= alpha;
+          acc[mt][nt][2 * r + 1] *= alpha;
+        }
+      }
+    }
+  }
+
+  // O = acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0, lse = -inf.
+  template <int NT_O>
+  __device__ __forceinline__ void finalize(float (&acc)[MT][NT_O][4], float scale_log2,
+                                           float (&lse)[MT][2]) {
+    const float ln2 = 0.6931471805599453f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(row_sum[mt][r]);
+        const bool empty = (l == 0.f);
+        const float inv = empty ? 0.f : 1.f / l;
+        lse[mt][r] = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l)) * ln2;
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          acc[mt][nt][2 * r] *= inv;
+          acc[mt][nt][2 * r + 1] *= inv;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,57 @@
+"""Every kernel instance of the table builds for sm_80 and sm_90a with no register spill and no
+stack frame (the CPU compile check: nvcc, no GPU needed), and the sources ship with the package."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuflash import _kernels, compile_check
+
+
+def test_every_source_of_the_table_ships_with_the_package():
+    root = _kernels.kernel_dir()
+    for spec in _kernels.all_specs():
+        assert (root / spec.source).is_file(), spec.source
+        assert spec.name_expression in compile_check.translation_unit(spec.source, [spec])
+
+
+def test_expanded_source_is_self_contained():
+    for source in {spec.source for spec in _kernels.all_specs()}:
+        text = _kernels.expanded_source(source)
+        assert '#include "' not in text  # the compiled text (and the cache key) holds every header
+        assert text.count("struct ElemTraits<f16>") == 1  # each header inlined once
+
+
+def test_table_covers_every_dtype_and_head_dim():
+    for d in range(1, _kernels.MAX_HEAD_DIM + 1):
+        bucket = _kernels.head_dim_bucket(d)
+        assert d <= bucket and bucket - d < 32
+        for dtype in _kernels.DTYPES:
+            for family in ("forward", "dkdv", "dq"):
+                spec = _kernels.kernel_spec(family, dtype, d)
+                assert spec.head_dim == bucket
+                assert spec.smem_bytes <= 99 * 1024, spec  # fits sm_86/sm_89 as well
+                assert spec.threads % 32 == 0 and spec.threads <= 1024
+    with pytest.raises(ValueError, match="at most 256"):
+        _kernels.head_dim_bucket(257)
+
+
+def test_ptxas_report_parser():
+    text = """ptxas info    : Compiling entry function '_Zkernel' for 'sm_80'
+ptxas info    : Function properties for _Zkernel
+    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 600 bytes cmem[0]
+"""
+    (report,) = compile_check.parse_ptxas(text)
+    assert (report.registers, report.stack_bytes, report.spill_store_bytes) == (255, 16, 8)
+    assert not report.clean
+
+
+def test_all_kernels_compile_for_sm80_and_sm90a_without_spills():
+    # No skip: nvcc is part of the machines this project builds on; its absence is a failure.
+    assert compile_check.find_nvcc(), "nvcc not found: put the CUDA toolkit's bin/ on PATH"
+    results = compile_check.run(("sm_80", "sm_90a"))
+    found = compile_check.problems(results)
+    assert not found, "\n".join(found)
+    compiled = sum(len(unit.kernels) for unit in results)
+    assert compiled == 2 * len(_kernels.all_specs())
