@@ -11,6 +11,9 @@ MODE=${1:-all}
 shift || true
 export OUT=${OUT:-/tmp/cuflash_out}
 mkdir -p "$OUT"
+# Only a few files come back from the device: detailed logs go to $LOGS and travel as one archive.
+LOGS=$(mktemp -d)
+trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash_cupy_cache}
 PY=${PYTHON:-python3}
@@ -22,25 +25,27 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
   | tee "$OUT/gpu.txt"
 $PY -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-if [[ $MODE == all || $MODE == tests || $MODE == sanitize ]]; then
+if [[ ${COLD:-1} == 1 && ( $MODE == all || $MODE == tests || $MODE == sanitize ) ]]; then
   # First-call compile time of single configurations, each alone and from an empty cache.
   rm -rf "$CUPY_CACHE_DIR"
   CUPY_CACHE_DIR=/tmp/cuflash_cold_cache $PY -m cuflash.precompile --jobs 1 --dtype bfloat16 float32 \
-    --head-dim 64 128 256 > "$OUT/compile_cold.log" 2>&1
-  say "cold compile, one process: $(tail -1 "$OUT/compile_cold.log")"
-  head -3 "$OUT/compile_cold.log" | tee -a "$SUMMARY"
+    --head-dim 64 128 256 > "$LOGS/compile_cold.log" 2>&1
+  say "cold compile, one process: $(tail -1 "$LOGS/compile_cold.log")"
+  head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
-  $PY -m cuflash.precompile --jobs 16 > "$OUT/precompile.log" 2>&1
-  say "precompile: $(tail -1 "$OUT/precompile.log")"
+fi
+if [[ $MODE == all || $MODE == tests || $MODE == sanitize ]]; then
+  $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
+  say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
 
 if [[ $MODE == all || $MODE == tests ]]; then
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest tests -q \
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
-    --junitxml "$OUT/junit.xml" "$@" > "$OUT/tests.log" 2>&1
-  say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/tests.log" | tail -1)"
-  sed -n '/cuflash GPU error ratios/,/^$/p' "$OUT/tests.log" | tee -a "$SUMMARY"
-  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
+    --junitxml "$LOGS/junit.xml" "$@" > "$LOGS/tests.log" 2>&1
+  say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/tests.log" | tail -1)"
+  sed -n '/cuflash GPU error ratios/,/^$/p' "$LOGS/tests.log" | tee -a "$SUMMARY"
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 
 if [[ $MODE == all || $MODE == sanitize ]]; then
@@ -48,14 +53,19 @@ if [[ $MODE == all || $MODE == sanitize ]]; then
     args=""
     [[ $tool == memcheck ]] && args="--all-buckets"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY tests/gpu/sanitize_cases.py $args \
-      > "$OUT/sanitize_$tool.log" 2>&1
-    say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|sanitize cases' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+      > "$LOGS/sanitize_$tool.log" 2>&1
+    say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
   done
+fi
+
+if [[ $MODE == all || $MODE == bench || $MODE == overhead ]]; then
+  $PY bench/overhead_probe.py > "$LOGS/overhead.log" 2>&1
+  say "overhead: $(head -2 "$LOGS/overhead.log" | tr '\n' ' ')"
 fi
 
 if [[ $MODE == all || $MODE == bench ]]; then
   timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:---quick} --out "$OUT" \
-    > "$OUT/bench.log" 2>"$OUT/bench.err"
+    > "$LOGS/bench.log" 2>"$LOGS/bench.err"
   say "bench exit $?"
   cat "$OUT/bench_table.txt" >> "$SUMMARY" 2>/dev/null
 fi

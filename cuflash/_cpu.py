@@ -2,7 +2,8 @@
 
 Used for every input that lives on the CPU (NumPy, torch CPU, JAX CPU), so scripts and tests run
 on any machine with the same semantics and the same errors as the GPU path. The blockwise form
-keeps memory at O(N * block) instead of materialising the N x N score matrix.
+bounds memory: each step holds the scores of one block of query rows against all keys, with the
+block sized to stay near SCORE_BYTES (never the whole N x N matrix of a long sequence).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from . import reference
 from ._interop import ArrayInfo, as_float, cpu_result
 from ._validate import Problem
 
-BLOCK = 128
+SCORE_BYTES = 64 * 2**20
+
+
+def _blocks(p: Problem) -> dict[str, int]:
+    """Query rows per step such that one step's float64 scores take about SCORE_BYTES."""
+    per_row = max(1, p.batch * p.heads_q * p.seq_k * 8)
+    block_m = max(16, min(p.seq_q, SCORE_BYTES // per_row))
+    return {"block_m": block_m, "block_n": max(1, p.seq_k)}
 
 
 def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[Any, Any]:
@@ -30,8 +38,7 @@ def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[An
             causal=p.causal,
             scale=p.scale,
             layout=p.layout,
-            block_m=BLOCK,
-            block_n=BLOCK,
+            **_blocks(p),
         )
     return cpu_result(qi, o, p.dtype), cpu_result(qi, lse, p.lse_dtype)
 
@@ -58,7 +65,6 @@ def backward(
             causal=p.causal,
             scale=p.scale,
             layout=p.layout,
-            block_m=BLOCK,
-            block_n=BLOCK,
+            **_blocks(p),
         )
     return (cpu_result(qi, dq, p.dtype), cpu_result(qi, dk, p.dtype), cpu_result(qi, dv, p.dtype))

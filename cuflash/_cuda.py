@@ -136,7 +136,10 @@ def _vectorisable(p: Problem, arrays: list[Any]) -> bool:
 
 
 def _scale(p: Problem) -> Any:
-    return np.float64(p.scale) if p.dtype == "float64" else np.float32(p.scale)
+    """The scale in the kernel's arithmetic type: float32 on the tensor cores, float64 on the
+    exact path."""
+    exact = p.dtype in _kernels.EXACT_DTYPES
+    return np.float64(p.scale) if exact else np.float32(p.scale)
 
 
 def _common_tail(p: Problem, vec: bool, blocks: int) -> tuple:
@@ -202,7 +205,7 @@ def backward(
     dv = cuda_empty(qi, p.kv_shape, p.dtype, fill=None if work else 0.0)
     if work:
         stream = launch_stream(qi.library, device)
-        acc = "float64" if p.dtype == "float64" else "float32"
+        acc = "float64" if p.dtype in _kernels.EXACT_DTYPES else "float32"
         delta = cuda_empty(qi, (p.batch, p.heads_q, p.seq_q), acc)
         vec = _vectorisable(p, [qi, ki, vi, doi, dq, dk, dv])
 

@@ -87,17 +87,18 @@ _MMA_TILES = {
         256: (32, 32, 4, 2),
     },
 }
-# Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN.
+# Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN. The exact path
+# computes in float64 whatever the storage type (kernels_cu/exact.cu).
 _EXACT_TILES = {
     "float32": {
         32: (64, 64, 4),
         64: (64, 64, 4),
         96: (32, 32, 4),
         128: (32, 32, 4),
-        160: (16, 16, 8),
-        192: (16, 16, 8),
-        224: (16, 16, 8),
-        256: (16, 16, 8),
+        160: (16, 16, 16),
+        192: (16, 16, 16),
+        224: (16, 16, 16),
+        256: (16, 16, 16),
     },
     "float64": {
         32: (32, 32, 4),
@@ -186,7 +187,7 @@ def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
         return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
     smem = (2 * bm + 2 * bn) * pitch_bytes
     if family == "dkdv":
-        smem += 2 * bm * itemsize
+        smem += 2 * bm * 8  # lse and D of the query tile, in float64
         return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bn * tpr, smem, bn, bm)
     return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
 

@@ -1,8 +1,8 @@
 // backward_preprocess.cu: D_i = rowsum(dO_i * O_i), the first step of the backward pass.
 //
 // One warp per row: the lanes stride over the head dimension and reduce with shuffles. D is
-// accumulated in the accumulator type (float32 for 16-bit and float32 inputs, float64 for
-// float64) and written contiguously as (B, Hq, Nq).
+// accumulated in the accumulator type (float32 for 16-bit inputs, float64 for the exact path's
+// float32 and float64) and written contiguously as (B, Hq, Nq).
 #include "common.cuh"
 
 namespace cuflash {

@@ -23,7 +23,7 @@ template <> __device__ __forceinline__ double infinity<double>() { return inf_f6
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ElemTraits<E>: how an element format is stored in memory, which type accumulates it, and the
-// conversions between the two. The lse and D vectors are stored in the accumulator type.
+// conversions between the two. D (the backward's rowsum(dO * O)) is stored in the accumulator type.
 template <typename E> struct ElemTraits;
 
 template <> struct ElemTraits<f16> {
@@ -65,11 +65,12 @@ template <> struct ElemTraits<bf16> {
   }
 };
 
+// The exact path (float32 and float64 inputs) does all its arithmetic in float64.
 template <> struct ElemTraits<float> {
   typedef float storage;
-  typedef float acc;
-  static __device__ __forceinline__ float to_acc(float x) { return x; }
-  static __device__ __forceinline__ float from_acc(float x) { return x; }
+  typedef double acc;
+  static __device__ __forceinline__ double to_acc(float x) { return x; }
+  static __device__ __forceinline__ float from_acc(double x) { return static_cast<float>(x); }
 };
 
 template <> struct ElemTraits<double> {

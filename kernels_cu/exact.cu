@@ -1,5 +1,9 @@
 // exact.cu: the exact path for float32 and float64 inputs, on the CUDA cores (no TF32).
 //
+// All arithmetic is in float64, also for float32 inputs (stored and staged as float32): results
+// are the float64 values rounded once, and long sums over keys or queries do not accumulate
+// float32 rounding error.
+//
 // The same algorithm as the tensor-core kernels (online softmax forward; backward as dK/dV over
 // query tiles and dQ over key tiles, P recomputed from lse, no atomics), written for clarity:
 // TPR consecutive threads share one row of the tile; thread c of a row owns the keys (or queries)
@@ -12,11 +16,6 @@
 #include "mask.cuh"
 
 namespace cuflash {
-
-__device__ __forceinline__ float exact_exp(float x) { return expf(x); }
-__device__ __forceinline__ double exact_exp(double x) { return exp(x); }
-__device__ __forceinline__ float exact_log(float x) { return logf(x); }
-__device__ __forceinline__ double exact_log(double x) { return log(x); }
 
 template <int TPR, typename T>
 __device__ __forceinline__ T group_max(T x) {
@@ -32,12 +31,14 @@ __device__ __forceinline__ T group_sum(T x) {
   return x;
 }
 
+typedef double Acc;  // the exact path's arithmetic type
+
 // Dot product of two shared rows of the head dimension (padding columns hold zeros).
 template <int HD, typename T>
-__device__ __forceinline__ T row_dot(const T* a, const T* b) {
-  T s = T(0);
+__device__ __forceinline__ Acc row_dot(const T* a, const T* b) {
+  Acc s = 0.0;
 #pragma unroll 8
-  for (int x = 0; x < HD; ++x) s = fma(a[x], b[x], s);
+  for (int x = 0; x < HD; ++x) s = fma(Acc(a[x]), Acc(b[x]), s);
   return s;
 }
 
@@ -45,16 +46,16 @@ __device__ __forceinline__ T row_dot(const T* a, const T* b) {
 // group as w[r / TPR]: the "P V"-shaped product of the exact path. Both loops are unrolled so
 // that w is indexed by constants only (a run-time index would move it to local memory).
 template <int ROWS, int HD, int TPR, int PITCH, typename T>
-__device__ __forceinline__ void accumulate_rows(T (&acc)[HD / TPR], const T (&w)[ROWS / TPR],
+__device__ __forceinline__ void accumulate_rows(Acc (&acc)[HD / TPR], const Acc (&w)[ROWS / TPR],
                                                 const T* tile, int c) {
 #pragma unroll
   for (int jj = 0; jj < ROWS / TPR; ++jj) {
 #pragma unroll
     for (int owner = 0; owner < TPR; ++owner) {
-      const T wr = __shfl_sync(0xffffffffu, w[jj], owner, TPR);
+      const Acc wr = __shfl_sync(0xffffffffu, w[jj], owner, TPR);
       const T* tile_row = tile + (owner + TPR * jj) * PITCH + c;
 #pragma unroll
-      for (int i = 0; i < HD / TPR; ++i) acc[i] = fma(wr, tile_row[TPR * i], acc[i]);
+      for (int i = 0; i < HD / TPR; ++i) acc[i] = fma(wr, Acc(tile_row[TPR * i]), acc[i]);
     }
   }
 }
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
     T* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb,
     i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq, int nk, int d,
-    T scale, int causal, int vec, int num_m_blocks) {
+    double scale, int causal, int vec, int num_m_blocks) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -81,9 +82,9 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
                                      q_ss, m0, nq, d, false);
 
   const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, causal != 0);
-  T m = -infinity<T>(), l = T(0), acc[DPT];
+  Acc m = -inf_f64(), l = 0.0, acc[DPT];
 #pragma unroll
-  for (int i = 0; i < DPT; ++i) acc[i] = T(0);
+  for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
 
   for (int j = 0; j < tiles.count; ++j) {
     const int n0 = j * BN;
@@ -91,23 +92,23 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
     load_tile<BN, HD, PITCH, NTHREADS>(sK, k_head, k_ss, n0, nk, d, false);
     load_tile<BN, HD, PITCH, NTHREADS>(sV, v_head, v_ss, n0, nk, d, false);
     __syncthreads();
-    T s[KPT];
-    T mx = -infinity<T>();
+    Acc s[KPT];
+    Acc mx = -inf_f64();
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // S = scale Q K^T, -inf where invisible
       const int key = c + TPR * jj;
       s[jj] = key_visible(row, n0 + key, nq, nk, causal != 0)
                   ? scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH)
-                  : -infinity<T>();
+                  : -inf_f64();
       mx = fmax(mx, s[jj]);
     }
-    const T m_new = fmax(m, group_max<TPR>(mx));
-    const T m_use = (m_new == -infinity<T>()) ? T(0) : m_new;  // no -inf - -inf
-    const T alpha = exact_exp(m - m_use);
-    T sum = T(0);
+    const Acc m_new = fmax(m, group_max<TPR>(mx));
+    const Acc m_use = (m_new == -inf_f64()) ? 0.0 : m_new;  // no -inf - -inf
+    const Acc alpha = exp(m - m_use);
+    Acc sum = 0.0;
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {
-      s[jj] = exact_exp(s[jj] - m_use);
+      s[jj] = exp(s[jj] - m_use);
       sum += s[jj];
     }
     l = l * alpha + sum;
@@ -118,35 +119,35 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
   }
 
   l = group_sum<TPR>(l);
-  const bool empty = (l == T(0));
-  const T inv = empty ? T(0) : T(1) / l;
+  const bool empty = (l == 0.0);
+  const Acc inv = empty ? 0.0 : 1.0 / l;
   if (row < nq) {
     T* o_row = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head) + row * o_ss;
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
-      if (c + TPR * i < d) o_row[c + TPR * i] = acc[i] * inv;
+      if (c + TPR * i < d) o_row[c + TPR * i] = T(acc[i] * inv);
     if (c == 0)
       lse[(static_cast<i64>(bc.batch) * hq + bc.head) * nq + row] =
-          empty ? -infinity<T>() : m + exact_log(l);
+          T(empty ? -inf_f64() : m + log(l));
   }
 }
 
 template <typename T, int HD, int BM, int BN, int TPR>
 __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
+    const T* __restrict__ dout, const T* __restrict__ lse, const Acc* __restrict__ delta,
     T* __restrict__ dk, T* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh,
     i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb,
     i64 lse_sh, i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss,
-    int hq, int group, int nq, int nk, int d, T scale, int causal, int vec, int num_n_blocks) {
+    int hq, int group, int nq, int nk, int d, double scale, int causal, int vec, int num_n_blocks) {
   constexpr int PITCH = HD + 1, NTHREADS = BN * TPR, DPT = HD / TPR, QPT = BM / TPR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
+  Acc* sLse = reinterpret_cast<Acc*>(smem_raw);  // first: 8-byte aligned
+  Acc* sDelta = sLse + BM;
+  T* sK = reinterpret_cast<T*>(sDelta + BM);
   T* sV = sK + BN * PITCH;
   T* sQ = sV + BN * PITCH;
   T* sdO = sQ + BM * PITCH;
-  T* sLse = sdO + BM * PITCH;
-  T* sDelta = sLse + BM;
 
   const int hkv = hq / group;
   const BlockCoords bc = decode_block(hkv, num_n_blocks);
@@ -157,9 +158,9 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
   load_tile<BN, HD, PITCH, NTHREADS>(sV, head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head),
                                      v_ss, n0, nk, d, false);
 
-  T acc_dk[DPT], acc_dv[DPT];
+  Acc acc_dk[DPT], acc_dv[DPT];
 #pragma unroll
-  for (int i = 0; i < DPT; ++i) acc_dk[i] = acc_dv[i] = T(0);
+  for (int i = 0; i < DPT; ++i) acc_dk[i] = acc_dv[i] = 0.0;
 
   const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, causal != 0);
   const int tiles_per_head = tiles.count - tiles.first;
@@ -172,25 +173,25 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
     load_tile<BM, HD, PITCH, NTHREADS>(sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, head),
                                        do_ss, m0, nq, d, false);
     const T* lse_head = head_ptr(lse, make_strides(lse_sb, lse_sh, lse_ss), bc.batch, head);
-    const T* delta_head = delta + (static_cast<i64>(bc.batch) * hq + head) * nq;
+    const Acc* delta_head = delta + (static_cast<i64>(bc.batch) * hq + head) * nq;
     for (int x = threadIdx.x; x < BM; x += NTHREADS) {
-      T lx = infinity<T>(), dx = T(0);  // padded rows and rows that see no key: P = 0
+      Acc lx = inf_f64(), dx = 0.0;  // padded rows and rows that see no key: P = 0
       if (m0 + x < nq) {
         lx = lse_head[(m0 + x) * lse_ss];
-        if (lx == -infinity<T>()) lx = infinity<T>();
+        if (lx == -inf_f64()) lx = inf_f64();
         dx = delta_head[m0 + x];
       }
       sLse[x] = lx;
       sDelta[x] = dx;
     }
     __syncthreads();
-    T p[QPT], ds[QPT];
+    Acc p[QPT], ds[QPT];
 #pragma unroll
     for (int jj = 0; jj < QPT; ++jj) {  // P^T and dS^T for this key and queries c + TPR jj
       const int qi = c + TPR * jj;
-      T pij = exact_exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]);
-      if (!key_visible(m0 + qi, key, nq, nk, causal != 0)) pij = T(0);
-      const T dpij = row_dot<HD>(sV + r * PITCH, sdO + qi * PITCH);
+      Acc pij = exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]);
+      if (!key_visible(m0 + qi, key, nq, nk, causal != 0)) pij = 0.0;
+      const Acc dpij = row_dot<HD>(sV + r * PITCH, sdO + qi * PITCH);
       p[jj] = pij;
       ds[jj] = pij * (dpij - sDelta[qi]);
     }
@@ -204,8 +205,8 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) {
-        dk_row[c + TPR * i] = acc_dk[i] * scale;
-        dv_row[c + TPR * i] = acc_dv[i];
+        dk_row[c + TPR * i] = T(acc_dk[i] * scale);
+        dv_row[c + TPR * i] = T(acc_dv[i]);
       }
   }
 }
@@ -213,10 +214,11 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
 template <typename T, int HD, int BM, int BN, int TPR>
 __global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const T* __restrict__ lse, const T* __restrict__ delta,
+    const T* __restrict__ dout, const T* __restrict__ lse, const Acc* __restrict__ delta,
     T* __restrict__ dq, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb,
     i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss,
-    i64 dq_sb, i64 dq_sh, i64 dq_ss, int hq, int group, int nq, int nk, int d, T scale, int causal,
+    i64 dq_sb, i64 dq_sh, i64 dq_ss, int hq, int group, int nq, int nk, int d, double scale,
+    int causal,
     int vec, int num_m_blocks) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -235,16 +237,16 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
                                      q_ss, m0, nq, d, false);
   load_tile<BM, HD, PITCH, NTHREADS>(sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head),
                                      do_ss, m0, nq, d, false);
-  T lse_row = infinity<T>(), delta_row = T(0);
+  Acc lse_row = inf_f64(), delta_row = 0.0;
   if (row < nq) {
     lse_row = head_ptr(lse, make_strides(lse_sb, lse_sh, lse_ss), bc.batch, bc.head)[row * lse_ss];
-    if (lse_row == -infinity<T>()) lse_row = infinity<T>();  // a row that sees no key: P = 0
+    if (lse_row == -inf_f64()) lse_row = inf_f64();  // a row that sees no key: P = 0
     delta_row = delta[(static_cast<i64>(bc.batch) * hq + bc.head) * nq + row];
   }
 
-  T acc[DPT];
+  Acc acc[DPT];
 #pragma unroll
-  for (int i = 0; i < DPT; ++i) acc[i] = T(0);
+  for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
   const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, causal != 0);
   for (int j = 0; j < tiles.count; ++j) {
     const int n0 = j * BN;
@@ -252,12 +254,12 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
     load_tile<BN, HD, PITCH, NTHREADS>(sK, k_head, k_ss, n0, nk, d, false);
     load_tile<BN, HD, PITCH, NTHREADS>(sV, v_head, v_ss, n0, nk, d, false);
     __syncthreads();
-    T ds[KPT];
+    Acc ds[KPT];
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // dS = P * (dP - D) for this query and keys c + TPR jj
       const int key = c + TPR * jj;
-      T p = exact_exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row);
-      if (!key_visible(row, n0 + key, nq, nk, causal != 0)) p = T(0);
+      Acc p = exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row);
+      if (!key_visible(row, n0 + key, nq, nk, causal != 0)) p = 0.0;
       ds[jj] = p * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row);
     }
     accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, sK, c);  // dQ += dS K
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
     T* dq_row = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head) + row * dq_ss;
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
-      if (c + TPR * i < d) dq_row[c + TPR * i] = acc[i] * scale;
+      if (c + TPR * i < d) dq_row[c + TPR * i] = T(acc[i] * scale);
   }
 }
 

@@ -3,8 +3,11 @@ stack frame (the CPU compile check: nvcc, no GPU needed), and the sources ship w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import cuflash
 from cuflash import _kernels, compile_check
 
 
@@ -13,6 +16,16 @@ def test_every_source_of_the_table_ships_with_the_package():
     for spec in _kernels.all_specs():
         assert (root / spec.source).is_file(), spec.source
         assert spec.name_expression in compile_check.translation_unit(spec.source, [spec])
+
+
+def test_installed_package_ships_its_kernels():
+    package = Path(cuflash.__file__).resolve().parent
+    if "site-packages" not in package.parts:
+        pytest.skip(f"cuflash is imported from a source tree ({package}), not an installed wheel")
+    assert _kernels.kernel_dir() == package / "kernels_cu"
+    names = {p.name for p in (package / "kernels_cu").iterdir()}
+    assert {spec.source for spec in _kernels.all_specs()} <= names
+    assert {"common.cuh", "mma.cuh", "gemm.cuh", "tile.cuh", "mask.cuh", "softmax.cuh"} <= names
 
 
 def test_expanded_source_is_self_contained():

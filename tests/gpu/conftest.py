@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+
 import pytest
 from gpu_records import EXAMPLES, RECORD
 

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from gpu_records import record
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import cuflash
 from cuflash import testing
-
-from gpu_records import record
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="the GPU tests make their inputs with PyTorch")
@@ -118,7 +117,6 @@ def lse_bh64(lse: torch.Tensor, layout: str):
 
 
 def check_case(case: Case, test_name: str = "property"):
-    note(repr(case))
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
     q = make(case, case.shape(case.seq_q, case.heads_q), gen)
     k = make(case, case.shape(case.seq_k, case.heads_kv), gen)
@@ -156,14 +154,17 @@ def check_case(case: Case, test_name: str = "property"):
     record(test_name, case.dtype, checks)
     failed = [c.message for c in checks if not c.passed]
     assert not failed, f"{case}:\n" + "\n".join(failed)
-    if case.dtype == "float32":  # the exact path: far under 1e-4 relative
-        assert all(c.relative < 1e-5 for c in checks), [c.message for c in checks]
-    if case.dtype == "float64":
-        assert all(c.relative < 1e-12 for c in checks), [c.message for c in checks]
+    # The exact path: far under 1e-4 relative. With a single key dq and dk are exactly 0 (dS = 0
+    # since o = v), so their relative error is undefined; the ratio test above covers them.
+    limit = {"float32": 1e-5, "float64": 1e-12}.get(case.dtype)
+    if limit is not None:
+        checked = [c for c in checks if case.seq_k > 1 or c.name not in ("dq", "dk")]
+        assert all(c.relative < limit for c in checked), [c.message for c in checked]
 
 
 @given(case=cases())
 def test_forward_and_backward_match_reference(case):
+    note(repr(case))
     check_case(case)
 
 
