@@ -8,6 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
+SWEEP_ARGS=${SWEEP_ARGS:-}
 shift || true
 export OUT=${OUT:-/tmp/cuflash_out}
 mkdir -p "$OUT"
@@ -61,6 +62,12 @@ fi
 if [[ $MODE == all || $MODE == bench || $MODE == overhead ]]; then
   $PY bench/overhead_probe.py > "$LOGS/overhead.log" 2>&1
   say "overhead: $(head -2 "$LOGS/overhead.log" | tr '\n' ' ')"
+fi
+
+if [[ $MODE == sweep ]]; then
+  timeout 400 $PY bench/sweep_tiles.py $SWEEP_ARGS > "$LOGS/sweep.log" 2>&1
+  say "sweep exit $?"
+  sed -n '/^sweep /,$p' "$LOGS/sweep.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
 if [[ $MODE == all || $MODE == bench ]]; then

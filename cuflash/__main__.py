@@ -17,20 +17,6 @@ import cuflash
 from cuflash import testing
 
 
-def gpu_status() -> str | None:
-    """None when a CUDA GPU can be used, else the reason it cannot."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install 'cuflash[cuda12]' for the GPU path)"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-        return "no CUDA device"
-    except Exception as exc:
-        return f"no usable CUDA device ({type(exc).__name__})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -43,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="use the CPU backend even with a GPU")
     args = parser.parse_args(argv)
 
-    reason = "--cpu given" if args.cpu else gpu_status()
+    reason = "--cpu given" if args.cpu else testing.gpu_unavailable_reason()
     on_gpu = reason is None
     dtype = args.dtype or ("float16" if on_gpu else "float32")
     if dtype == "bfloat16" and on_gpu:

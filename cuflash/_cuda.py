@@ -6,48 +6,43 @@ first call compiles only what it runs. CuPy keeps the binaries in its disk cache
 expanded source text, so an edited header is a new key); loaded functions are kept here in memory
 per (instance, device). A lock per instance makes concurrent first calls compile once.
 
+A validated call becomes a *plan* (ForwardPlan, BackwardPlan): kernels, grid sizes and every
+argument that depends only on shapes and strides. Running a plan reads the data pointers,
+allocates the outputs, and launches with cuLaunchKernel from a per-thread argument buffer. The API
+keeps plans per call signature, so repeated calls skip validation (cuflash/_plans.py).
+
 Launches go on the caller's stream (torch's current stream for torch tensors, CuPy's current
 stream otherwise) and never synchronise the host.
 """
 
 from __future__ import annotations
 
+import re
+import struct
 import threading
 from typing import Any
 
 import numpy as np
 
 from . import _kernels
-from ._interop import ArrayInfo, cuda_empty, cuda_result, launch_stream
+from ._dlpack import c_contiguous_strides
+from ._interop import ArrayInfo, CudaAllocator, launch_stream
 from ._validate import Problem
 
 _MAX_GRID_X = 2**31 - 1
 
 
-class _StreamRef:
-    """What cupy's Function.__call__ needs of a stream: its raw pointer."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 class _Loaded:
-    __slots__ = ("function", "spec")
+    __slots__ = ("function", "ptr", "spec")
 
     def __init__(self, function: Any, spec: _kernels.KernelSpec) -> None:
-        self.function, self.spec = function, spec
+        self.function, self.ptr, self.spec = function, function.ptr, spec
 
 
 _loaded: dict[tuple[str, int], _Loaded] = {}
 _locks: dict[tuple[str, int], threading.Lock] = {}
 _locks_guard = threading.Lock()
 compile_count = 0  # modules built or read from the disk cache in this process (for tests)
-
-
-def _device_arch(cupy: Any, device_index: int) -> str:
-    return _kernels.kernel_arch(cupy.cuda.Device(device_index).compute_capability)
 
 
 def load(spec: _kernels.KernelSpec, device_index: int) -> _Loaded:
@@ -77,8 +72,9 @@ def _compile(spec: _kernels.KernelSpec, device_index: int) -> _Loaded:
                 f"{spec.name_expression} needs {spec.smem_bytes} bytes of shared memory per block; "
                 f"GPU {device_index} allows {limit}"
             )
+        arch = _kernels.kernel_arch(device.compute_capability)
         # CuPy appends its own -arch=sm_XX after ours; NVRTC keeps the "a" feature suffix.
-        options = _kernels.COMPILE_OPTIONS + (f"-arch={_device_arch(cupy, device_index)}",)
+        options = _kernels.COMPILE_OPTIONS + (f"-arch={arch}",)
         module = cupy.RawModule(
             code=_kernels.expanded_source(spec.source),
             options=options,
@@ -92,193 +88,187 @@ def _compile(spec: _kernels.KernelSpec, device_index: int) -> _Loaded:
     return _Loaded(function, spec)
 
 
-def _launch(loaded: _Loaded, grid: int, device_index: int, stream_ptr: int, args: tuple) -> None:
+# ---------------------------------------------------------------------------------------------
+# Launching: cuLaunchKernel with the arguments packed into a per-thread buffer. Each kernel
+# argument's C type is one struct code: Q pointer, q int64, i int32, f float, d double.
+
+_tls = threading.local()
+
+
+def _argument_buffer(fmt: str) -> tuple[np.ndarray, int]:
+    """(bytes, address of the pointer array) for `fmt`, one pair per thread and format."""
+    buffers = getattr(_tls, "buffers", None)
+    if buffers is None:
+        buffers = _tls.buffers = {}
+    found = buffers.get(fmt)
+    if found is None:
+        codes = "".join(c * int(n or 1) for n, c in re.findall(r"(\d*)([A-Za-z])", fmt))
+        data = np.zeros(struct.calcsize(fmt) + 8, dtype=np.uint8)
+        base = data.ctypes.data
+        # native alignment, as struct.pack_into lays the values out
+        offsets = [struct.calcsize(codes[:i] + c) - struct.calcsize(c) for i, c in enumerate(codes)]
+        pointers = np.array([base + off for off in offsets], dtype=np.uint64)
+        found = buffers[fmt] = (data, pointers, pointers.ctypes.data)
+    return found[0], found[2]
+
+
+def _context_ready(device_index: int) -> bool:
+    ready = getattr(_tls, "contexts", None)
+    if ready is None:
+        ready = _tls.contexts = set()
+    return device_index in ready
+
+
+def _launch(loaded: _Loaded, grid: int, device_index: int, stream: int, fmt: str,
+            args: tuple) -> None:
+    from cupy.cuda import runtime
+    from cupy_backends.cuda.api import driver
+
     if grid > _MAX_GRID_X:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the CUDA grid limit")
+    data, params = _argument_buffer(fmt)
+    struct.pack_into(fmt, data, 0, *args)
+    spec = loaded.spec
+    launch = (loaded.ptr, grid, 1, 1, spec.threads, 1, 1, spec.smem_bytes, stream, params, 0)
+    if runtime.getDevice() == device_index and _context_ready(device_index):
+        driver.launchKernel(*launch)
+        return
     import cupy
 
     with cupy.cuda.Device(device_index):
-        loaded.function(
-            (grid, 1, 1),
-            (loaded.spec.threads, 1, 1),
-            args,
-            shared_mem=loaded.spec.smem_bytes,
-            stream=_StreamRef(stream_ptr),
-        )
+        runtime.memGetInfo()  # binds the device's primary context to this thread
+        _tls.contexts.add(device_index)
+        driver.launchKernel(*launch)
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument packing: pointers as uint64, strides as int64, sizes as int32, scale in the
-# accumulator's precision.
-
-_u64, _i64, _i32 = np.uint64, np.int64, np.int32
-
-
-def _strides(p: Problem, strides: tuple[int, ...]) -> tuple:
-    return tuple(_i64(s) for s in p.bhs_strides(strides))
-
-
-def _lse_strides(p: Problem, info_or_buffer: Any) -> tuple:
-    s = info_or_buffer.strides
-    return (_i64(0), _i64(0), _i64(s[0])) if p.two_d else tuple(_i64(x) for x in s)
-
-
-def _vectorisable(p: Problem, arrays: list[Any]) -> bool:
-    """True when every tile row can move in 16-byte chunks: d, all strides and all base pointers
-    aligned to 16 bytes (checked per call; views with odd offsets take the element-wise path)."""
-    chunk = 16 // _kernels.ITEMSIZE[p.dtype]
-    if p.head_dim % chunk:
-        return False
-    for a in arrays:
-        if a.ptr % 16 or any(s % chunk for s in p.bhs_strides(a.strides)):
-            return False
-    return True
-
-
-def _scale(p: Problem) -> Any:
-    """The scale in the kernel's arithmetic type: float32 on the tensor cores, float64 on the
-    exact path."""
-    exact = p.dtype in _kernels.EXACT_DTYPES
-    return np.float64(p.scale) if exact else np.float32(p.scale)
-
-
-def _common_tail(p: Problem, vec: bool, blocks: int) -> tuple:
-    return (
-        _i32(p.heads_q),
-        _i32(p.group),
-        _i32(p.seq_q),
-        _i32(p.seq_k),
-        _i32(p.head_dim),
-        _scale(p),
-        _i32(p.causal),
-        _i32(vec),
-        _i32(blocks),
-    )
+# Plans
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[Any, Any]:
-    device = p.device[1]
-    nothing_to_see = p.seq_k == 0
-    o = cuda_empty(qi, p.q_shape, p.dtype, fill=0.0 if nothing_to_see else None)
-    lse = cuda_empty(qi, p.lse_shape, p.lse_dtype, fill=-np.inf if nothing_to_see else None)
-    if p.batch * p.heads_q * p.seq_q and not nothing_to_see:
-        loaded = load(_kernels.kernel_spec("forward", p.dtype, p.head_dim), device)
-        blocks = _ceil_div(p.seq_q, loaded.spec.rows_per_block)
-        vec = _vectorisable(p, [qi, ki, vi, o])
-        args = (
-            _u64(qi.ptr),
-            _u64(ki.ptr),
-            _u64(vi.ptr),
-            _u64(o.ptr),
-            _u64(lse.ptr),
-            *_strides(p, qi.strides),
-            *_strides(p, ki.strides),
-            *_strides(p, vi.strides),
-            *_strides(p, o.strides),
-            *_common_tail(p, vec, blocks),
-        )
-        _launch(
-            loaded, blocks * p.batch * p.heads_q, device, launch_stream(qi.library, device), args
-        )
-    return cuda_result(qi, o), cuda_result(qi, lse)
+def _chunk(p: Problem) -> int:
+    """Elements in 16 bytes: the unit of the kernels' vectorised tile copies."""
+    return 16 // _kernels.ITEMSIZE[p.dtype]
 
 
-def backward(
-    p: Problem,
-    doi: ArrayInfo,
-    qi: ArrayInfo,
-    ki: ArrayInfo,
-    vi: ArrayInfo,
-    oi: ArrayInfo,
-    lsei: ArrayInfo,
-) -> tuple[Any, Any, Any]:
-    device = p.device[1]
-    some_queries = p.batch * p.heads_q * p.seq_q > 0
-    some_keys = p.batch * p.heads_kv * p.seq_k > 0
-    work = some_queries and some_keys
-    dq = cuda_empty(qi, p.q_shape, p.dtype, fill=None if work else 0.0)
-    dk = cuda_empty(qi, p.kv_shape, p.dtype, fill=None if work else 0.0)
-    dv = cuda_empty(qi, p.kv_shape, p.dtype, fill=None if work else 0.0)
-    if work:
-        stream = launch_stream(qi.library, device)
-        acc = "float64" if p.dtype in _kernels.EXACT_DTYPES else "float32"
-        delta = cuda_empty(qi, (p.batch, p.heads_q, p.seq_q), acc)
-        vec = _vectorisable(p, [qi, ki, vi, doi, dq, dk, dv])
+def _aligned(p: Problem, *bhs_strides: tuple[int, int, int]) -> bool:
+    chunk = _chunk(p)
+    return p.head_dim % chunk == 0 and all(s % chunk == 0 for ss in bhs_strides for s in ss)
 
-        # D = rowsum(dO * O)
-        pre = load(_kernels.kernel_spec("preprocess", p.dtype, p.head_dim), device)
+
+def _tail(p: Problem) -> str:
+    """struct codes of the trailing arguments: hq, group, nq, nk, d, scale, causal, vec, blocks."""
+    return "iiiii" + ("d" if p.dtype in _kernels.EXACT_DTYPES else "f") + "iii"
+
+
+class ForwardPlan:
+    """attention_forward for one call signature (shapes, strides, dtype, device, options)."""
+
+    def __init__(self, p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> None:
+        self.p = p
+        self.device = p.device[1]
+        self.library = qi.library
+        self.alloc = CudaAllocator(qi.library, self.device)
+        self.empty_keys = p.seq_k == 0
+        self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
+        if not self.work:
+            return
+        self.loaded = load(_kernels.kernel_spec("forward", p.dtype, p.head_dim), self.device)
+        blocks = _ceil_div(p.seq_q, self.loaded.spec.rows_per_block)
+        self.grid = blocks * p.batch * p.heads_q
+        strides = [p.bhs_strides(x) for x in (qi.strides, ki.strides, vi.strides)]
+        strides.append(p.bhs_strides(c_contiguous_strides(p.q_shape)))  # o
+        self.strides_aligned = _aligned(p, *strides)
+        self.fmt = "5Q12q" + _tail(p)
+        self.middle = tuple(s for ss in strides for s in ss) + (
+            p.heads_q, p.group, p.seq_q, p.seq_k, p.head_dim, p.scale, int(p.causal))
+        self.blocks = blocks
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int) -> tuple[Any, Any]:
+        p = self.p
+        o = self.alloc(p.q_shape, p.dtype, 0.0 if self.empty_keys else None)
+        lse = self.alloc(p.lse_shape, p.lse_dtype, -np.inf if self.empty_keys else None)
+        if self.work:
+            vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o.ptr) & 15
+            _launch(self.loaded, self.grid, self.device, launch_stream(self.library, self.device),
+                    self.fmt, (q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *self.middle, int(vec),
+                               self.blocks))
+        return self.alloc.result(o), self.alloc.result(lse)
+
+
+class BackwardPlan:
+    """attention_backward for one call signature: preprocess, dK/dV and dQ launches."""
+
+    def __init__(self, p: Problem, doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo,
+                 oi: ArrayInfo, lsei: ArrayInfo) -> None:
+        self.p = p
+        self.device = p.device[1]
+        self.library = qi.library
+        self.alloc = CudaAllocator(qi.library, self.device)
+        self.work = p.batch * p.heads_q * p.seq_q > 0 and p.batch * p.heads_kv * p.seq_k > 0
+        if not self.work:
+            return
+        dev, dt, d = self.device, p.dtype, p.head_dim
+        self.delta_dtype = "float64" if dt in _kernels.EXACT_DTYPES else "float32"
+        self.pre = load(_kernels.kernel_spec("preprocess", dt, d), dev)
+        self.dkdv = load(_kernels.kernel_spec("dkdv", dt, d), dev)
+        self.dq = load(_kernels.kernel_spec("dq", dt, d), dev)
+
         rows = p.batch * p.heads_q * p.seq_q
-        _launch(
-            pre,
-            _ceil_div(rows, pre.spec.rows_per_block),
-            device,
-            stream,
-            (
-                _u64(oi.ptr),
-                _u64(doi.ptr),
-                _u64(delta.ptr),
-                *_strides(p, oi.strides),
-                *_strides(p, doi.strides),
-                _i32(p.heads_q),
-                _i32(p.seq_q),
-                _i32(p.head_dim),
-                _i64(rows),
-            ),
-        )
+        self.pre_grid = _ceil_div(rows, self.pre.spec.rows_per_block)
+        self.pre_middle = (*p.bhs_strides(oi.strides), *p.bhs_strides(doi.strides), p.heads_q,
+                           p.seq_q, d, rows)
+        s_q, s_k, s_v, s_do = (p.bhs_strides(x.strides) for x in (qi, ki, vi, doi))
+        s_lse = (0, 0, lsei.strides[0]) if p.two_d else tuple(lsei.strides)
+        s_dq = p.bhs_strides(c_contiguous_strides(p.q_shape))
+        s_dkv = p.bhs_strides(c_contiguous_strides(p.kv_shape))
+        self.strides_aligned = _aligned(p, s_q, s_k, s_v, s_do, s_dq, s_dkv)
+        options = (p.heads_q, p.group, p.seq_q, p.seq_k, d, p.scale, int(p.causal))
+        self.dkdv_blocks = _ceil_div(p.seq_k, self.dkdv.spec.rows_per_block)
+        self.dq_blocks = _ceil_div(p.seq_q, self.dq.spec.rows_per_block)
+        inputs = (*s_q, *s_k, *s_v, *s_do, *s_lse)
+        self.dkdv_middle = (*inputs, *s_dkv, *s_dkv, *options)
+        self.dq_middle = (*inputs, *s_dq, *options)
+        self.fmt_pre = "3Q6qiiiq"
+        self.fmt_dkdv = "8Q21q" + _tail(p)
+        self.fmt_dq = "7Q18q" + _tail(p)
 
-        inputs = (
-            _u64(qi.ptr),
-            _u64(ki.ptr),
-            _u64(vi.ptr),
-            _u64(doi.ptr),
-            _u64(lsei.ptr),
-            _u64(delta.ptr),
-        )
-        in_strides = (
-            *_strides(p, qi.strides),
-            *_strides(p, ki.strides),
-            *_strides(p, vi.strides),
-            *_strides(p, doi.strides),
-            *_lse_strides(p, lsei),
-        )
+    def __call__(self, do_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int,
+                 lse_ptr: int) -> tuple[Any, Any, Any]:
+        p = self.p
+        fill = None if self.work else 0.0
+        dq = self.alloc(p.q_shape, p.dtype, fill)
+        dk = self.alloc(p.kv_shape, p.dtype, fill)
+        dv = self.alloc(p.kv_shape, p.dtype, fill)
+        if self.work:
+            dev = self.device
+            stream = launch_stream(self.library, dev)
+            # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
+            # are stream-ordered and every kernel that reads D runs on the allocating stream.
+            delta = self.alloc((p.batch, p.heads_q, p.seq_q), self.delta_dtype)
+            _launch(self.pre, self.pre_grid, dev, stream, self.fmt_pre,
+                    (o_ptr, do_ptr, delta.ptr, *self.pre_middle))
+            vec = int(self.strides_aligned
+                      and not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15)
+            inputs = (q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta.ptr)
+            grid = self.dkdv_blocks * p.batch * p.heads_kv
+            _launch(self.dkdv, grid, dev, stream, self.fmt_dkdv,
+                    (*inputs, dk.ptr, dv.ptr, *self.dkdv_middle, vec, self.dkdv_blocks))
+            grid = self.dq_blocks * p.batch * p.heads_q
+            _launch(self.dq, grid, dev, stream, self.fmt_dq,
+                    (*inputs, dq.ptr, *self.dq_middle, vec, self.dq_blocks))
+        result = self.alloc.result
+        return result(dq), result(dk), result(dv)
 
-        dkdv = load(_kernels.kernel_spec("dkdv", p.dtype, p.head_dim), device)
-        blocks = _ceil_div(p.seq_k, dkdv.spec.rows_per_block)
-        _launch(
-            dkdv,
-            blocks * p.batch * p.heads_kv,
-            device,
-            stream,
-            (
-                *inputs,
-                _u64(dk.ptr),
-                _u64(dv.ptr),
-                *in_strides,
-                *_strides(p, dk.strides),
-                *_strides(p, dv.strides),
-                *_common_tail(p, vec, blocks),
-            ),
-        )
 
-        dqk = load(_kernels.kernel_spec("dq", p.dtype, p.head_dim), device)
-        blocks = _ceil_div(p.seq_q, dqk.spec.rows_per_block)
-        _launch(
-            dqk,
-            blocks * p.batch * p.heads_q,
-            device,
-            stream,
-            (
-                *inputs,
-                _u64(dq.ptr),
-                *in_strides,
-                *_strides(p, dq.strides),
-                *_common_tail(p, vec, blocks),
-            ),
-        )
-        # `delta` is released when this returns: the allocators of torch and CuPy are
-        # stream-ordered and every kernel that reads it runs on the allocating stream.
-    return cuda_result(qi, dq), cuda_result(qi, dk), cuda_result(qi, dv)
+def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[Any, Any]:
+    return ForwardPlan(p, qi, ki, vi)(qi.ptr, ki.ptr, vi.ptr)
+
+
+def backward(p: Problem, doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo,
+             oi: ArrayInfo, lsei: ArrayInfo) -> tuple[Any, Any, Any]:
+    plan = BackwardPlan(p, doi, qi, ki, vi, oi, lsei)
+    return plan(doi.ptr, qi.ptr, ki.ptr, vi.ptr, oi.ptr, lsei.ptr)

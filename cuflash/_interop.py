@@ -238,6 +238,9 @@ def launch_stream(library: str, device_index: int) -> int:
     if library == "torch":
         import torch
 
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(device_index)
         return torch.cuda.current_stream(device_index).cuda_stream
     cupy = _cupy()
     with cupy.cuda.Device(device_index):
@@ -253,11 +256,10 @@ def dlpack_stream_argument(stream_ptr: int) -> int:
 class CudaBuffer:
     """An output allocated on a CUDA device: `array` is the owning array object."""
 
-    __slots__ = ("array", "ptr", "shape", "strides", "dtype")
+    __slots__ = ("array", "ptr", "dtype")
 
-    def __init__(self, array: Any, ptr: int, shape: tuple[int, ...], dtype: str) -> None:
-        self.array, self.ptr, self.shape, self.dtype = array, ptr, shape, dtype
-        self.strides = _dlpack.c_contiguous_strides(shape)
+    def __init__(self, array: Any, ptr: int, dtype: str) -> None:
+        self.array, self.ptr, self.dtype = array, ptr, dtype
 
 
 # Tests set this to fill every output buffer with NaN before the kernels run, so that an element
@@ -265,34 +267,63 @@ class CudaBuffer:
 poison_outputs = False
 
 
-def cuda_empty(
-    template: ArrayInfo, shape: tuple[int, ...], dtype: str, fill: float | None = None
-) -> CudaBuffer:
-    """A C-contiguous buffer on the template's device, owned by the template's library
-    (CuPy for JAX and other producers), optionally filled with `fill`."""
-    index = template.device[1]
-    if fill is None and poison_outputs:
-        fill = float("nan")
-    if template.library == "torch":
-        import torch
+class CudaAllocator:
+    """Output buffers of one library on one device: C-contiguous, owned by that library (CuPy for
+    JAX and other producers), optionally filled."""
 
-        tdtype = getattr(torch, dtype)
-        device = torch.device(CUDA, index)
-        if fill is None:
-            array = torch.empty(shape, dtype=tdtype, device=device)
+    def __init__(self, library: str, device_index: int) -> None:
+        self.library, self.device_index = library, device_index
+        if library == "torch":
+            import torch
+
+            self._torch = torch
+            self._device = torch.device(CUDA, device_index)
         else:
-            array = torch.full(shape, fill, dtype=tdtype, device=device)
-        return CudaBuffer(array, array.data_ptr(), shape, dtype)
-    cupy = _cupy()
-    storage = np.uint16 if dtype == "bfloat16" else dtype
-    with cupy.cuda.Device(index):
-        if fill is None:
-            array = cupy.empty(shape, dtype=storage)
-        elif dtype == "bfloat16":
-            array = cupy.full(shape, float_to_bf16_bits(np.float32(fill)).item(), dtype=storage)
-        else:
-            array = cupy.full(shape, fill, dtype=storage)
-    return CudaBuffer(array, array.data.ptr, shape, dtype)
+            self._cupy = _cupy()
+
+    def __call__(self, shape: tuple[int, ...], dtype: str, fill: float | None = None) -> CudaBuffer:
+        if fill is None and poison_outputs:
+            fill = float("nan")
+        if self.library == "torch":
+            torch = self._torch
+            tdtype = getattr(torch, dtype)
+            if fill is None:
+                array = torch.empty(shape, dtype=tdtype, device=self._device)
+            else:
+                array = torch.full(shape, fill, dtype=tdtype, device=self._device)
+            return CudaBuffer(array, array.data_ptr(), dtype)
+        cupy = self._cupy
+        storage = np.uint16 if dtype == "bfloat16" else dtype
+        with cupy.cuda.Device(self.device_index):
+            if fill is None:
+                array = cupy.empty(shape, dtype=storage)
+            elif dtype == "bfloat16":
+                bits = float_to_bf16_bits(np.asarray(fill, dtype=np.float32)).item()
+                array = cupy.full(shape, bits, dtype=storage)
+            else:
+                array = cupy.full(shape, fill, dtype=storage)
+        return CudaBuffer(array, array.data.ptr, dtype)
+
+    def result(self, buffer: CudaBuffer) -> Any:
+        """The buffer as an array of the caller's library (no copy)."""
+        if self.library in ("torch", "cupy"):
+            return buffer.array
+        if self.library == "jax":
+            import jax.dlpack
+
+            source = buffer.array
+            if buffer.dtype == "bfloat16":
+                source = _RelabelledExport(buffer.array, code=4, bits=16)
+            # Under the buffer's device, CuPy's __dlpack__ makes JAX's stream wait on the stream
+            # the kernels ran on (an event, no host synchronisation).
+            with self._cupy.cuda.Device(self.device_index):
+                return jax.dlpack.from_dlpack(source)
+        if buffer.dtype == "bfloat16":
+            raise TypeError(
+                "bfloat16 results cannot be returned to this array library through CuPy; "
+                "pass PyTorch, JAX or CuPy arrays"
+            )
+        return buffer.array
 
 
 class _RelabelledExport:
@@ -308,26 +339,3 @@ class _RelabelledExport:
         capsule = self._array.__dlpack__(stream=stream)
         _dlpack.relabel_capsule_dtype(capsule, self._code, self._bits)
         return capsule
-
-
-def cuda_result(template: ArrayInfo, buffer: CudaBuffer) -> Any:
-    """The buffer as an array of the template's library (no copy)."""
-    library = template.library
-    if library in ("torch", "cupy"):
-        return buffer.array
-    if library == "jax":
-        import jax.dlpack
-
-        source = buffer.array
-        if buffer.dtype == "bfloat16":
-            source = _RelabelledExport(buffer.array, code=4, bits=16)
-        # Under the buffer's device, CuPy's __dlpack__ makes JAX's stream wait on the stream the
-        # kernels ran on (an event, no host synchronisation).
-        with _cupy().cuda.Device(template.device[1]):
-            return jax.dlpack.from_dlpack(source)
-    if buffer.dtype == "bfloat16":
-        raise TypeError(
-            f"{template.name} is a bfloat16 CUDA array of an unsupported library "
-            f"({_type_name(template.obj)}); results could not be returned"
-        )
-    return buffer.array

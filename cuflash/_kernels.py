@@ -113,6 +113,28 @@ _EXACT_TILES = {
 }
 
 
+# Experiments (bench/sweep_tiles.py) replace table entries here: {(family, dtype, bucket): tiles}.
+_overrides: dict[tuple[str, str, int], tuple[int, ...]] = {}
+
+
+def set_tile_override(family: str, dtype: str, bucket: int, tiles: tuple[int, ...] | None) -> None:
+    """Use `tiles` (the table's tuple form) for one instance; None restores the table."""
+    if tiles is None:
+        _overrides.pop((family, dtype, bucket), None)
+    else:
+        _overrides[(family, dtype, bucket)] = tuple(tiles)
+    kernel_spec.cache_clear()
+
+
+def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:
+    found = _overrides.get((family, dtype, hd))
+    if found is not None:
+        return found
+    if dtype in TENSOR_CORE_DTYPES:
+        return _MMA_TILES[family][hd]
+    return _EXACT_TILES[dtype][hd]
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One template instance: what to compile, and how to launch it."""
@@ -168,18 +190,18 @@ def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
     if path == "mma":
         pitch_bytes = (hd + 8) * itemsize
         if family == "dkdv":
-            bm, bn, warps, dsplit = _MMA_TILES["dkdv"][hd]
+            bm, bn, warps, dsplit = _tiles("dkdv", dtype, hd)
             smem = (2 * bn + 2 * bm) * pitch_bytes + 2 * bm * 4
             expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}, {dsplit}>"
             # the block owns BN keys and streams BM-row query tiles
             return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, smem, bn, bm)
-        bm, bn, warps = _MMA_TILES[family][hd]
+        bm, bn, warps = _tiles(family, dtype, hd)
         rows = bm + 2 * bn if family == "forward" else 2 * bm + 2 * bn
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}>"
         return KernelSpec(
             family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, rows * pitch_bytes, bm, bn
         )
-    bm, bn, tpr = _EXACT_TILES[dtype][hd]
+    bm, bn, tpr = _tiles(family, dtype, hd)
     pitch_bytes = (hd + 1) * itemsize
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {tpr}>"
     if family == "forward":

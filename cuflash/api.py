@@ -21,19 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _validate
+from . import _plans, _validate
 
 Array = Any  # any object with __dlpack__ / __dlpack_device__ (NumPy, CuPy, torch, JAX, ...)
-
-
-def _backend(problem: _validate.Problem) -> Any:
-    if problem.device[0] == "cpu":
-        from . import _cpu
-
-        return _cpu
-    from . import _cuda
-
-    return _cuda
 
 
 def attention_forward(
@@ -66,8 +56,21 @@ def attention_forward(
         ValueError: shapes disagree, arrays are on different devices, the head dim is 0 or above
             256, the last dimension is not contiguous, or causal / scale / layout are invalid.
     """
+    arrays = (q, k, v)
+    key = _plans.signature("forward", arrays, causal, scale, layout)
+    plan = _plans.get(key)
+    if plan is not None:  # this signature was validated before
+        return plan(*_plans.pointers(arrays))
     problem, qi, ki, vi = _validate.check_forward(q, k, v, causal, scale, layout)
-    return _backend(problem).forward(problem, qi, ki, vi)
+    if problem.device[0] == "cpu":
+        from . import _cpu
+
+        return _cpu.forward(problem, qi, ki, vi)
+    from . import _cuda
+
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi)
+    _plans.put(key, plan)
+    return plan(qi.ptr, ki.ptr, vi.ptr)
 
 
 def attention(
@@ -110,7 +113,20 @@ def attention_backward(
         TypeError, ValueError: as :func:`attention_forward`, and for ``do``, ``o`` or ``lse`` of
             the wrong shape, dtype, library or device.
     """
+    arrays = (do, q, k, v, o, lse)
+    key = _plans.signature("backward", arrays, causal, scale, layout)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan(*_plans.pointers(arrays))
     problem, doi, qi, ki, vi, oi, lsei = _validate.check_backward(
         do, q, k, v, o, lse, causal, scale, layout
     )
-    return _backend(problem).backward(problem, doi, qi, ki, vi, oi, lsei)
+    if problem.device[0] == "cpu":
+        from . import _cpu
+
+        return _cpu.backward(problem, doi, qi, ki, vi, oi, lsei)
+    from . import _cuda
+
+    plan = _cuda.BackwardPlan(problem, doi, qi, ki, vi, oi, lsei)
+    _plans.put(key, plan)
+    return plan(doi.ptr, qi.ptr, ki.ptr, vi.ptr, oi.ptr, lsei.ptr)

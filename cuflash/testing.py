@@ -18,6 +18,20 @@ import numpy as np
 
 from .reference import visible_mask
 
+
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA GPU can be used through CuPy, else why it cannot."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'cuflash[cuda12]' or 'cuflash[cuda13]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device
+        return f"no CUDA GPU ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA GPU (device count 0)"
+
+
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 
 

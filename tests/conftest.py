@@ -7,11 +7,12 @@ CuPy are present.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from cuflash import testing
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 settings.register_profile(
@@ -23,22 +24,8 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@functools.lru_cache(maxsize=1)
-def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA GPU is usable through CuPy, else why not."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install 'cuflash[cuda12]' or 'cuflash[cuda13]')"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, no device
-        return f"no CUDA GPU: {type(exc).__name__}: {exc}"
-    return None if count > 0 else "no CUDA GPU (device count 0)"
-
-
 def pytest_collection_modifyitems(config, items):
-    reason = gpu_unavailable_reason()
+    reason = testing.gpu_unavailable_reason()
     if reason is None:
         return
     skip = pytest.mark.skip(reason=f"GPU test: {reason}")

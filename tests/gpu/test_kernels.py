@@ -19,6 +19,8 @@ import cuflash
 from cuflash import testing
 
 pytestmark = pytest.mark.gpu
+if testing.gpu_unavailable_reason():
+    pytest.skip(f"GPU test: {testing.gpu_unavailable_reason()}", allow_module_level=True)
 torch = pytest.importorskip("torch", reason="the GPU tests make their inputs with PyTorch")
 cupy = pytest.importorskip("cupy")
 
