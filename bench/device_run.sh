@@ -2,12 +2,14 @@
 # One call on the GPU machine: compile the kernels, run the GPU tests and the sanitizers, run the
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
-#   bash bench/device_run.sh [all|tests|bench|sanitize] [extra pytest args...]
+#   bash bench/device_run.sh [MODES] [extra pytest args...]
+#   MODES: comma-separated from tests, sanitize, overhead, sweep, bench (default: all but sweep)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=${1:-all}
+MODE=${1:-tests,sanitize,overhead,bench}
+has() { [[ ",$MODE," == *",$1,"* ]]; }
 SWEEP_ARGS=${SWEEP_ARGS:-}
 shift || true
 export OUT=${OUT:-/tmp/cuflash_out}
@@ -26,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
   | tee "$OUT/gpu.txt"
 $PY -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-if [[ ${COLD:-1} == 1 && ( $MODE == all || $MODE == tests || $MODE == sanitize ) ]]; then
+if [[ ${COLD:-1} == 1 ]] && (has tests || has sanitize); then
   # First-call compile time of single configurations, each alone and from an empty cache.
   rm -rf "$CUPY_CACHE_DIR"
   CUPY_CACHE_DIR=/tmp/cuflash_cold_cache $PY -m cuflash.precompile --jobs 1 --dtype bfloat16 float32 \
@@ -35,12 +37,12 @@ if [[ ${COLD:-1} == 1 && ( $MODE == all || $MODE == tests || $MODE == sanitize )
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
 fi
-if [[ $MODE == all || $MODE == tests || $MODE == sanitize ]]; then
+if has tests || has sanitize || has sweep; then
   $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
 
-if [[ $MODE == all || $MODE == tests ]]; then
+if has tests; then
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest tests -q \
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
     --junitxml "$LOGS/junit.xml" "$@" > "$LOGS/tests.log" 2>&1
@@ -49,7 +51,7 @@ if [[ $MODE == all || $MODE == tests ]]; then
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 
-if [[ $MODE == all || $MODE == sanitize ]]; then
+if has sanitize; then
   for tool in memcheck racecheck synccheck; do
     args=""
     [[ $tool == memcheck ]] && args="--all-buckets"
@@ -59,18 +61,18 @@ if [[ $MODE == all || $MODE == sanitize ]]; then
   done
 fi
 
-if [[ $MODE == all || $MODE == bench || $MODE == overhead ]]; then
+if has overhead; then
   $PY bench/overhead_probe.py > "$LOGS/overhead.log" 2>&1
   say "overhead: $(head -2 "$LOGS/overhead.log" | tr '\n' ' ')"
 fi
 
-if [[ $MODE == sweep ]]; then
+if has sweep; then
   timeout 400 $PY bench/sweep_tiles.py $SWEEP_ARGS > "$LOGS/sweep.log" 2>&1
   say "sweep exit $?"
   sed -n '/^sweep /,$p' "$LOGS/sweep.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
-if [[ $MODE == all || $MODE == bench ]]; then
+if has bench; then
   timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:---quick} --out "$OUT" \
     > "$LOGS/bench.log" 2>"$LOGS/bench.err"
   say "bench exit $?"
