@@ -47,7 +47,7 @@ if has tests; then
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
     --junitxml "$LOGS/junit.xml" "$@" > "$LOGS/tests.log" 2>&1
   say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/tests.log" | tail -1)"
-  sed -n '/cuflash GPU error ratios/,/^$/p' "$LOGS/tests.log" | tee -a "$SUMMARY"
+  sed -n '/cuflash GPU errors/,/^$/p' "$LOGS/tests.log" | tee -a "$SUMMARY"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 

@@ -119,26 +119,35 @@ def _context_ready(device_index: int) -> bool:
     return device_index in ready
 
 
-def _launch(loaded: _Loaded, grid: int, device_index: int, stream: int, fmt: str,
-            args: tuple) -> None:
+_runtime = _driver = _cupy = None
+
+
+def _import_cupy() -> None:
+    global _runtime, _driver, _cupy
+    import cupy
     from cupy.cuda import runtime
     from cupy_backends.cuda.api import driver
 
+    _runtime, _driver, _cupy = runtime, driver, cupy
+
+
+def _launch(loaded: _Loaded, grid: int, device_index: int, stream: int, fmt: str,
+            args: tuple) -> None:
+    if _driver is None:
+        _import_cupy()
     if grid > _MAX_GRID_X:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the CUDA grid limit")
     data, params = _argument_buffer(fmt)
     struct.pack_into(fmt, data, 0, *args)
     spec = loaded.spec
     launch = (loaded.ptr, grid, 1, 1, spec.threads, 1, 1, spec.smem_bytes, stream, params, 0)
-    if runtime.getDevice() == device_index and _context_ready(device_index):
-        driver.launchKernel(*launch)
+    if _runtime.getDevice() == device_index and _context_ready(device_index):
+        _driver.launchKernel(*launch)
         return
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        runtime.memGetInfo()  # binds the device's primary context to this thread
+    with _cupy.cuda.Device(device_index):
+        _runtime.memGetInfo()  # binds the device's primary context to this thread
         _tls.contexts.add(device_index)
-        driver.launchKernel(*launch)
+        _driver.launchKernel(*launch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +181,7 @@ class ForwardPlan:
         self.device = p.device[1]
         self.library = qi.library
         self.alloc = CudaAllocator(qi.library, self.device)
+        self.shapes = (p.q_shape, p.dtype, p.lse_shape, p.lse_dtype)
         self.empty_keys = p.seq_k == 0
         self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
         if not self.work:
@@ -188,9 +198,9 @@ class ForwardPlan:
         self.blocks = blocks
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int) -> tuple[Any, Any]:
-        p = self.p
-        o = self.alloc(p.q_shape, p.dtype, 0.0 if self.empty_keys else None)
-        lse = self.alloc(p.lse_shape, p.lse_dtype, -np.inf if self.empty_keys else None)
+        o_shape, dtype, lse_shape, lse_dtype = self.shapes
+        o = self.alloc(o_shape, dtype, 0.0 if self.empty_keys else None)
+        lse = self.alloc(lse_shape, lse_dtype, -np.inf if self.empty_keys else None)
         if self.work:
             vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o.ptr) & 15
             _launch(self.loaded, self.grid, self.device, launch_stream(self.library, self.device),

@@ -278,6 +278,7 @@ class CudaAllocator:
 
             self._torch = torch
             self._device = torch.device(CUDA, device_index)
+            self._dtypes = {name: getattr(torch, name) for name in _STORAGE}
         else:
             self._cupy = _cupy()
 
@@ -285,12 +286,11 @@ class CudaAllocator:
         if fill is None and poison_outputs:
             fill = float("nan")
         if self.library == "torch":
-            torch = self._torch
-            tdtype = getattr(torch, dtype)
+            tdtype = self._dtypes[dtype]
             if fill is None:
-                array = torch.empty(shape, dtype=tdtype, device=self._device)
+                array = self._torch.empty(shape, dtype=tdtype, device=self._device)
             else:
-                array = torch.full(shape, fill, dtype=tdtype, device=self._device)
+                array = self._torch.full(shape, fill, dtype=tdtype, device=self._device)
             return CudaBuffer(array, array.data_ptr(), dtype)
         cupy = self._cupy
         storage = np.uint16 if dtype == "bfloat16" else dtype

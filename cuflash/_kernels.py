@@ -53,36 +53,39 @@ _TEMPLATE = {
 PREPROCESS_ROWS_PER_BLOCK = 8  # kernels_cu/backward_preprocess.cu
 
 # Tensor-core tile shapes per head-dim bucket. forward/dq: (BM, BN, warps);
-# dkdv: (BM, BN, warps, DSPLIT). Every configuration fits in 99 KB of shared memory, the limit of
-# sm_86/sm_89, so one table serves every architecture from sm_80 on.
+# dkdv: (BM, BN, warps, DSPLIT). Chosen with bench/sweep_tiles.py on an H100 (bench/NOTES.md)
+# among the configurations that compile without register spills and fit in 99 KB of shared
+# memory, the limit of sm_86/sm_89, so that one table serves every architecture from sm_80 on.
 _MMA_TILES = {
     "forward": {
         32: (128, 64, 4),
         64: (128, 64, 4),
-        96: (128, 32, 4),
+        96: (128, 32, 4),  # BN = 64 is 8% faster at d = 128 but spills registers
         128: (128, 32, 4),
-        160: (64, 32, 4),
-        192: (64, 32, 4),
-        224: (64, 32, 4),
-        256: (64, 32, 4),
+        160: (64, 64, 4),
+        192: (64, 64, 4),
+        224: (64, 64, 4),
+        256: (64, 64, 4),
     },
     "dq": {
         32: (64, 64, 4),
         64: (64, 64, 4),
         96: (64, 64, 4),
         128: (64, 64, 4),
-        160: (64, 16, 4),
-        192: (64, 16, 4),
-        224: (64, 16, 4),
-        256: (64, 16, 4),
+        160: (64, 32, 4),
+        192: (64, 32, 4),
+        224: (64, 32, 4),
+        256: (64, 32, 4),
     },
     "dkdv": {
+        # larger query tiles (BM = 128 at d <= 64, 64 at d = 128 or 224) run 7-20% faster
+        # but spill registers; (64, 32, 4, 2) at d = 256 also needs 512 B over sm_86's 99 KB
         32: (64, 64, 4, 1),
         64: (64, 64, 4, 1),
         96: (32, 64, 4, 1),
         128: (32, 64, 4, 1),
-        160: (32, 32, 4, 2),
-        192: (32, 32, 4, 2),
+        160: (64, 32, 4, 2),
+        192: (64, 32, 4, 2),
         224: (32, 32, 4, 2),
         256: (32, 32, 4, 2),
     },

@@ -24,11 +24,12 @@ def _cupy_meta(x: Any) -> tuple:
 
 def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) -> tuple | None:
     """The cache key of a call, or None when this call has none (always validated in full)."""
-    cls = type(arrays[0])
+    first = arrays[0]
+    cls = type(first)
     module = cls.__module__
     if module.startswith("torch"):
         meta = _torch_meta
-        if arrays[0].device.type != "cuda":
+        if first.device.type != "cuda":
             return None
     elif module.startswith("cupy"):
         meta = _cupy_meta
@@ -37,13 +38,8 @@ def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) ->
     for a in arrays:
         if type(a) is not cls:
             return None
-    try:
-        key = (kind, cls, type(causal), causal, type(scale), scale, type(layout), layout,
-               *(meta(a) for a in arrays))
-        hash(key)
-    except (TypeError, AttributeError):
-        return None
-    return key
+    return (kind, cls, type(causal), causal, type(scale), scale, type(layout), layout,
+            *[meta(a) for a in arrays])
 
 
 def pointers(arrays: tuple) -> tuple[int, ...]:
@@ -53,11 +49,20 @@ def pointers(arrays: tuple) -> tuple[int, ...]:
 
 
 def get(key: tuple | None) -> Any:
-    return None if key is None else _plans.get(key)
+    if key is None:
+        return None
+    try:
+        return _plans.get(key)
+    except TypeError:  # an unhashable argument (e.g. scale=[0.1]): validation will say so
+        return None
 
 
 def put(key: tuple | None, plan: Any) -> None:
     if key is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
         return
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()

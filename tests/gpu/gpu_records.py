@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-RECORD: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+# RECORD[dtype][output] -> list of (tolerance used = error / bound, error / naive error or None,
+# relative error). The ratio to the naive error is kept only where the naive error dominates the
+# bound (2 * naive >= the absolute noise term); elsewhere both errors sit at rounding noise.
+RECORD: dict[str, dict[str, list[tuple]]] = defaultdict(lambda: defaultdict(list))
 EXAMPLES: dict[str, int] = defaultdict(int)
 
 
 def record(test: str, dtype: str, checks) -> None:
     EXAMPLES[test] += 1
-    for check in checks:
-        RECORD[dtype][check.name].append(check.ratio if check.naive_error > 0 else 0.0)
-        RECORD[dtype][check.name + " relative"].append(check.relative)
+    for c in checks:
+        used = c.error / c.bound if c.bound > 0 else 0.0
+        ratio = c.ratio if 2 * c.naive_error >= c.bound - 2 * c.naive_error else None
+        RECORD[dtype][c.name].append((used, ratio, c.relative))
