@@ -131,8 +131,9 @@ def _import_cupy() -> None:
     _runtime, _driver, _cupy = runtime, driver, cupy
 
 
-def _launch(loaded: _Loaded, grid: int, device_index: int, stream: int, fmt: str,
-            args: tuple) -> None:
+def _launch(
+    loaded: _Loaded, grid: int, device_index: int, stream: int, fmt: str, args: tuple
+) -> None:
     if _driver is None:
         _import_cupy()
     if grid > _MAX_GRID_X:
@@ -194,7 +195,14 @@ class ForwardPlan:
         self.strides_aligned = _aligned(p, *strides)
         self.fmt = "5Q12q" + _tail(p)
         self.middle = tuple(s for ss in strides for s in ss) + (
-            p.heads_q, p.group, p.seq_q, p.seq_k, p.head_dim, p.scale, int(p.causal))
+            p.heads_q,
+            p.group,
+            p.seq_q,
+            p.seq_k,
+            p.head_dim,
+            p.scale,
+            int(p.causal),
+        )
         self.blocks = blocks
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int) -> tuple[Any, Any]:
@@ -203,17 +211,30 @@ class ForwardPlan:
         lse = self.alloc(lse_shape, lse_dtype, -np.inf if self.empty_keys else None)
         if self.work:
             vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o.ptr) & 15
-            _launch(self.loaded, self.grid, self.device, launch_stream(self.library, self.device),
-                    self.fmt, (q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *self.middle, int(vec),
-                               self.blocks))
+            _launch(
+                self.loaded,
+                self.grid,
+                self.device,
+                launch_stream(self.library, self.device),
+                self.fmt,
+                (q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *self.middle, int(vec), self.blocks),
+            )
         return self.alloc.result(o), self.alloc.result(lse)
 
 
 class BackwardPlan:
     """attention_backward for one call signature: preprocess, dK/dV and dQ launches."""
 
-    def __init__(self, p: Problem, doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo,
-                 oi: ArrayInfo, lsei: ArrayInfo) -> None:
+    def __init__(
+        self,
+        p: Problem,
+        doi: ArrayInfo,
+        qi: ArrayInfo,
+        ki: ArrayInfo,
+        vi: ArrayInfo,
+        oi: ArrayInfo,
+        lsei: ArrayInfo,
+    ) -> None:
         self.p = p
         self.device = p.device[1]
         self.library = qi.library
@@ -229,8 +250,14 @@ class BackwardPlan:
 
         rows = p.batch * p.heads_q * p.seq_q
         self.pre_grid = _ceil_div(rows, self.pre.spec.rows_per_block)
-        self.pre_middle = (*p.bhs_strides(oi.strides), *p.bhs_strides(doi.strides), p.heads_q,
-                           p.seq_q, d, rows)
+        self.pre_middle = (
+            *p.bhs_strides(oi.strides),
+            *p.bhs_strides(doi.strides),
+            p.heads_q,
+            p.seq_q,
+            d,
+            rows,
+        )
         s_q, s_k, s_v, s_do = (p.bhs_strides(x.strides) for x in (qi, ki, vi, doi))
         s_lse = (0, 0, lsei.strides[0]) if p.two_d else tuple(lsei.strides)
         s_dq = p.bhs_strides(c_contiguous_strides(p.q_shape))
@@ -246,8 +273,9 @@ class BackwardPlan:
         self.fmt_dkdv = "8Q21q" + _tail(p)
         self.fmt_dq = "7Q18q" + _tail(p)
 
-    def __call__(self, do_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int,
-                 lse_ptr: int) -> tuple[Any, Any, Any]:
+    def __call__(
+        self, do_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int
+    ) -> tuple[Any, Any, Any]:
         p = self.p
         fill = None if self.work else 0.0
         dq = self.alloc(p.q_shape, p.dtype, fill)
@@ -259,17 +287,37 @@ class BackwardPlan:
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc((p.batch, p.heads_q, p.seq_q), self.delta_dtype)
-            _launch(self.pre, self.pre_grid, dev, stream, self.fmt_pre,
-                    (o_ptr, do_ptr, delta.ptr, *self.pre_middle))
-            vec = int(self.strides_aligned
-                      and not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15)
+            _launch(
+                self.pre,
+                self.pre_grid,
+                dev,
+                stream,
+                self.fmt_pre,
+                (o_ptr, do_ptr, delta.ptr, *self.pre_middle),
+            )
+            vec = int(
+                self.strides_aligned
+                and not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15
+            )
             inputs = (q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta.ptr)
             grid = self.dkdv_blocks * p.batch * p.heads_kv
-            _launch(self.dkdv, grid, dev, stream, self.fmt_dkdv,
-                    (*inputs, dk.ptr, dv.ptr, *self.dkdv_middle, vec, self.dkdv_blocks))
+            _launch(
+                self.dkdv,
+                grid,
+                dev,
+                stream,
+                self.fmt_dkdv,
+                (*inputs, dk.ptr, dv.ptr, *self.dkdv_middle, vec, self.dkdv_blocks),
+            )
             grid = self.dq_blocks * p.batch * p.heads_q
-            _launch(self.dq, grid, dev, stream, self.fmt_dq,
-                    (*inputs, dq.ptr, *self.dq_middle, vec, self.dq_blocks))
+            _launch(
+                self.dq,
+                grid,
+                dev,
+                stream,
+                self.fmt_dq,
+                (*inputs, dq.ptr, *self.dq_middle, vec, self.dq_blocks),
+            )
         result = self.alloc.result
         return result(dq), result(dk), result(dv)
 
@@ -278,7 +326,14 @@ def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[An
     return ForwardPlan(p, qi, ki, vi)(qi.ptr, ki.ptr, vi.ptr)
 
 
-def backward(p: Problem, doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo,
-             oi: ArrayInfo, lsei: ArrayInfo) -> tuple[Any, Any, Any]:
+def backward(
+    p: Problem,
+    doi: ArrayInfo,
+    qi: ArrayInfo,
+    ki: ArrayInfo,
+    vi: ArrayInfo,
+    oi: ArrayInfo,
+    lsei: ArrayInfo,
+) -> tuple[Any, Any, Any]:
     plan = BackwardPlan(p, doi, qi, ki, vi, oi, lsei)
     return plan(doi.ptr, qi.ptr, ki.ptr, vi.ptr, oi.ptr, lsei.ptr)

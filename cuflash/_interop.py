@@ -58,6 +58,12 @@ def _library_of(obj: Any) -> str:
     return "dlpack"
 
 
+def _is_jax_tracer(obj: Any) -> bool:
+    import jax
+
+    return isinstance(obj, jax.core.Tracer)
+
+
 def probe(obj: Any, name: str) -> tuple[str, tuple[str, int]]:
     """(library, device) of an input, cheaply and without taking a DLPack capsule."""
     library = _library_of(obj)
@@ -72,6 +78,12 @@ def probe(obj: Any, name: str) -> tuple[str, tuple[str, int]]:
         return library, (dev.type, dev.index or 0)
     if library == "cupy":
         return library, (CUDA, obj.device.id)
+    if library == "jax" and _is_jax_tracer(obj):
+        raise TypeError(
+            f"{name} is a traced JAX array ({type(obj).__name__}): cuflash runs eagerly on "
+            f"concrete arrays and cannot run inside jax.jit or other tracing transformations; "
+            f"call it outside jit (cuflash.jax.attention supports jax.grad)"
+        )
     if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
         raise TypeError(
             f"{name} must be an array that supports DLPack (NumPy, CuPy, PyTorch, JAX, ...); "

@@ -38,8 +38,17 @@ def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) ->
     for a in arrays:
         if type(a) is not cls:
             return None
-    return (kind, cls, type(causal), causal, type(scale), scale, type(layout), layout,
-            *[meta(a) for a in arrays])
+    return (
+        kind,
+        cls,
+        type(causal),
+        causal,
+        type(scale),
+        scale,
+        type(layout),
+        layout,
+        *[meta(a) for a in arrays],
+    )
 
 
 def pointers(arrays: tuple) -> tuple[int, ...]:

@@ -1,0 +1,169 @@
+"""PyTorch integration: differentiable attention, torch.compile support, an SDPA drop-in.
+
+    import cuflash.torch as cft
+    o = cft.attention(q, k, v, causal=True)                      # (B, N, H, d), autograd
+    o = cft.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, d), SDPA's call
+
+The forward and backward are registered as custom operators (``cuflash::attention_forward``,
+``cuflash::attention_backward``) with fake implementations, so models that call them compile
+under ``torch.compile(fullgraph=True)`` without graph breaks, and with an autograd formula that
+saves q, k, v, o and lse and runs the three backward kernels. The kernels run on
+``torch.cuda.current_stream()`` of the tensors' device, so the operators also work inside CUDA
+graph capture once their kernels are compiled (run one call before capturing). The lse output of
+``attention_forward`` is not differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import api
+
+_LSE_DTYPE = {torch.float64: torch.float64}
+
+
+def _resolve_scale(q: torch.Tensor, scale: float | None) -> float:
+    if scale is None:
+        d = q.shape[-1]
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    return scale
+
+
+def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, ...]:
+    if q.dim() == 2:
+        return (q.shape[0],)
+    if layout == "bshd":
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return (q.shape[0], q.shape[1], q.shape[2])
+
+
+@torch.library.custom_op("cuflash::attention_forward", mutates_args=())
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+
+
+@_attention_forward.register_fake
+def _attention_forward_fake(q, k, v, causal, scale, layout):
+    o = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, layout), dtype=_LSE_DTYPE.get(q.dtype, torch.float32))
+    return o, lse
+
+
+@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
+def _attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # autograd may hand over a non-contiguous gradient (e.g. from a transpose or an expand)
+    do = do if do.stride(-1) == 1 or do.shape[-1] <= 1 else do.contiguous()
+    return api.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, layout = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = (causal, scale, layout)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    causal, scale, layout = ctx.options
+    dq, dk, dv = _attention_backward(do, q, k, v, o, lse, causal, scale, layout)
+    return dq, dk, dv, None, None, None
+
+
+_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable :func:`cuflash.attention_forward` (o has a gradient; lse does not)."""
+    return _attention_forward(q, k, v, causal, _resolve_scale(q, scale), layout)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> torch.Tensor:
+    """Differentiable exact attention; shapes and semantics as :func:`cuflash.attention`.
+
+    ``layout="bshd"``: q ``(B, Nq, Hq, d)``, k/v ``(B, Nk, Hkv, d)``; ``"bhsd"``:
+    ``(B, H, N, d)``. Causal masking is aligned bottom-right (query i sees key j when
+    ``j <= i + Nk - Nq``). Gradients flow to q, k and v.
+    """
+    return attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)[0]
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (the cases it shares).
+
+    Takes SDPA's arguments and layout, ``(B, H, N, d)`` (or ``(H, N, d)``), and returns the same
+    result, differentiable. Not supported (ValueError): ``attn_mask``, ``dropout_p > 0``, and
+    ``is_causal=True`` with ``Nq != Nk`` (SDPA aligns that mask top-left, cuflash bottom-right;
+    they agree when ``Nq == Nk``). As in SDPA, key/value heads fewer than query heads need
+    ``enable_gqa=True``.
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported by cuflash; pass attn_mask=None")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (cuflash has no dropout); got {dropout_p}")
+    if query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            f"query, key and value must all be 4-D (B, H, N, d) or 3-D (H, N, d); got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query[None], key[None], value[None]
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"is_causal=True with query length {query.shape[2]} != key length {key.shape[2]}: "
+            "SDPA aligns this mask top-left, cuflash bottom-right; call "
+            "cuflash.torch.attention(..., causal=True, layout='bhsd') for the bottom-right mask"
+        )
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"query has {query.shape[1]} heads but key has {key.shape[1]}; pass enable_gqa=True "
+            "for grouped-query attention (as with SDPA)"
+        )
+    out = attention(query, key, value, causal=is_causal, scale=scale, layout="bhsd")
+    return out[0] if squeeze else out
