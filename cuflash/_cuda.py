@@ -17,6 +17,7 @@ stream otherwise) and never synchronise the host.
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 
 from . import _kernels
 from ._dlpack import c_contiguous_strides
-from ._interop import ArrayInfo, CudaAllocator, launch_stream
+from ._interop import ArrayInfo, CudaAllocator, stream_getter
 from ._validate import Problem
 
 _MAX_GRID_X = 2**31 - 1
@@ -182,6 +183,7 @@ class ForwardPlan:
         self.device = p.device[1]
         self.library = qi.library
         self.alloc = CudaAllocator(qi.library, self.device)
+        self.stream = stream_getter(qi.library)
         self.shapes = (p.q_shape, p.dtype, p.lse_shape, p.lse_dtype)
         self.empty_keys = p.seq_k == 0
         self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
@@ -194,6 +196,13 @@ class ForwardPlan:
         strides.append(p.bhs_strides(c_contiguous_strides(p.q_shape)))  # o
         self.strides_aligned = _aligned(p, *strides)
         self.fmt = "5Q12q" + _tail(p)
+        self.extra: tuple = ()
+        if p.dtype in _kernels.TENSOR_CORE_DTYPES:
+            # P is scaled by 2^-extra (kernels_cu/softmax.cuh): bfloat16 V can reach float32's
+            # range, where sum_j P_j V_j could overflow; float16 V cannot.
+            self.fmt += "f"
+            shift = math.ceil(math.log2(p.seq_k)) if p.dtype == "bfloat16" and p.seq_k > 1 else 0
+            self.extra = (float(shift),)
         self.middle = tuple(s for ss in strides for s in ss) + (
             p.heads_q,
             p.group,
@@ -215,9 +224,19 @@ class ForwardPlan:
                 self.loaded,
                 self.grid,
                 self.device,
-                launch_stream(self.library, self.device),
+                self.stream(self.device),
                 self.fmt,
-                (q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *self.middle, int(vec), self.blocks),
+                (
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    o.ptr,
+                    lse.ptr,
+                    *self.middle,
+                    int(vec),
+                    self.blocks,
+                    *self.extra,
+                ),
             )
         return self.alloc.result(o), self.alloc.result(lse)
 
@@ -239,6 +258,7 @@ class BackwardPlan:
         self.device = p.device[1]
         self.library = qi.library
         self.alloc = CudaAllocator(qi.library, self.device)
+        self.stream = stream_getter(qi.library)
         self.work = p.batch * p.heads_q * p.seq_q > 0 and p.batch * p.heads_kv * p.seq_k > 0
         if not self.work:
             return
@@ -283,7 +303,7 @@ class BackwardPlan:
         dv = self.alloc(p.kv_shape, p.dtype, fill)
         if self.work:
             dev = self.device
-            stream = launch_stream(self.library, dev)
+            stream = self.stream(dev)
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc((p.batch, p.heads_q, p.seq_q), self.delta_dtype)

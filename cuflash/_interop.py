@@ -244,19 +244,28 @@ def _cupy():
     return cupy
 
 
-def launch_stream(library: str, device_index: int) -> int:
-    """Raw stream the kernels run on: the current stream of the framework that owns the inputs
-    (torch's for torch tensors; CuPy's current stream for everything else)."""
+def stream_getter(library: str):
+    """A function device_index -> raw stream the kernels run on: the current stream of the
+    framework that owns the inputs (torch's for torch tensors; CuPy's for everything else)."""
     if library == "torch":
         import torch
 
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
-            return raw(device_index)
-        return torch.cuda.current_stream(device_index).cuda_stream
+            return raw
+        return lambda index: torch.cuda.current_stream(index).cuda_stream
     cupy = _cupy()
-    with cupy.cuda.Device(device_index):
-        return cupy.cuda.get_current_stream().ptr
+
+    def cupy_stream(index: int) -> int:
+        with cupy.cuda.Device(index):
+            return cupy.cuda.get_current_stream().ptr
+
+    return cupy_stream
+
+
+def launch_stream(library: str, device_index: int) -> int:
+    """The raw stream the kernels run on for inputs of `library` on `device_index`."""
+    return stream_getter(library)(device_index)
 
 
 def dlpack_stream_argument(stream_ptr: int) -> int:

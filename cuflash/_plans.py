@@ -15,7 +15,7 @@ _plans: dict[tuple, Any] = {}
 
 
 def _torch_meta(x: Any) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.device)
+    return (x.shape, x.stride(), x.dtype, x.get_device())
 
 
 def _cupy_meta(x: Any) -> tuple:
@@ -51,10 +51,10 @@ def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) ->
     )
 
 
-def pointers(arrays: tuple) -> tuple[int, ...]:
+def pointers(arrays: tuple) -> list[int]:
     if type(arrays[0]).__module__.startswith("torch"):
-        return tuple(a.data_ptr() for a in arrays)
-    return tuple(a.data.ptr for a in arrays)
+        return [a.data_ptr() for a in arrays]
+    return [a.data.ptr for a in arrays]
 
 
 def get(key: tuple | None) -> Any:

@@ -26,7 +26,7 @@ struct ForwardTraits {
   static constexpr int NT_O = HD / 8;             // n8 tiles of the output accumulator
   static constexpr int K_QK = HD / 16;            // k16 steps of Q K^T
   static constexpr int K_PV = BN / 16;            // k16 steps of P V
-  static constexpr bool Q_IN_REGS = MT * HD <= 128;
+  static constexpr bool Q_IN_REGS = MT * HD <= 64;
   static_assert(BM % (16 * NWARPS) == 0, "BM must give each warp whole 16-row tiles");
   static_assert(BN % 16 == 0 && HD % 16 == 0, "tiles are built from 16x16 fragments");
 };
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
                           float* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb,
                           i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh,
                           i64 o_ss, int hq, int group, int nq, int nk, int d, float scale,
-                          int causal, int vec, int num_m_blocks) {
+                          int causal, int vec, int num_m_blocks, float p_shift) {
   typedef ForwardTraits<Elem, HD, BM, BN, NWARPS> Tr;
   constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -132,7 +132,10 @@ __global__ void __launch_bounds__(NWARPS * 32)
   blk.vec = vec != 0;
   blk.scale_log2 = scale * 1.4426950408889634f;
   fill(blk.acc_o, 0.f);
-  blk.softmax.init();
+  // p_shift: P is scaled by 2^-p_shift so that the unnormalised accumulator cannot overflow
+  // (softmax.cuh); the host passes ceil(log2 Nk) for bfloat16 and 0 for float16. A kernel
+  // argument, it is read from the constant bank and costs no register.
+  blk.softmax.init(p_shift);
 
   // Q tile and the first K tile; everything after this runs tile by tile.
   const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);

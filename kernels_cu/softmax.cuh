@@ -5,6 +5,11 @@
 //   p = exp2(s * scale_log2 - m * scale_log2),  m = running row max of s.
 // The running sum is kept per lane (each lane sums its own columns) and reduced across the quad
 // once, at the end; rescaling by alpha keeps the partial sums consistent.
+//
+// `shift` (log2 units) scales every P by 2^-shift inside the same FMA. It cancels in O = acc / l
+// and is added back to lse; with shift = ceil(log2(Nk)) the unnormalised accumulator
+// sum_j P_j V_j stays below max|V| and cannot overflow float32 even when V is near the top of the
+// bfloat16 range (whose exponent range is float32's, so the scaled P lose no precision).
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -14,9 +19,11 @@ namespace cuflash {
 template <int MT>
 struct OnlineSoftmax {
   float row_max[MT][2];  // running max of the raw scores of rows g and g + 8 of each m tile
-  float row_sum[MT][2];  // this lane's share of sum_j exp2((s_j - row_max) * scale_log2)
+  float row_sum[MT][2];  // this lane's share of sum_j exp2((s_j - row_max) * scale_log2 - shift)
+  float shift;
 
-  __device__ __forceinline__ void init() {
+  __device__ __forceinline__ void init(float shift_log2) {
+    shift = shift_log2;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -44,13 +51,14 @@ struct OnlineSoftmax {
         const float m_new = fmaxf(row_max[mt][r], mx);
         const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
         const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+        const float bias = m_scaled + shift;
         row_max[mt][r] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -m_scaled));
+            const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -bias));
             s[mt][nt][e] = p;
             sum += p;
           }
@@ -77,7 +85,7 @@ struct OnlineSoftmax {
         const float l = quad_sum(row_sum[mt][r]);
         const bool empty = (l == 0.f);
         const float inv = empty ? 0.f : 1.f / l;
-        lse[mt][r] = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l)) * ln2;
+        lse[mt][r] = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
           acc[mt][nt][2 * r] *= inv;

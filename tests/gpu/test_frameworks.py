@@ -31,7 +31,8 @@ def naive_bhsd64(q, k, v, causal, scale):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     mask = torch.from_numpy(reference.visible_mask(q.shape[2], k.shape[2], causal)).cuda()
-    return torch.softmax(s.masked_fill(~mask, -float("inf")), -1) @ v
+    p = torch.softmax(s.masked_fill(~mask, -float("inf")), -1).nan_to_num(0.0)  # rows seeing no key
+    return p @ v
 
 
 # ---------------------------------------------------------------------------------------------
