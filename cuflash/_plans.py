@@ -14,41 +14,31 @@ _MAX_PLANS = 512
 _plans: dict[tuple, Any] = {}
 
 
-def _torch_meta(x: Any) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.get_device())
-
-
-def _cupy_meta(x: Any) -> tuple:
-    return (x.shape, x.strides, x.dtype, x.data.device_id)
-
-
 def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) -> tuple | None:
-    """The cache key of a call, or None when this call has none (always validated in full)."""
+    """The cache key of a call, or None when this call has none (always validated in full).
+
+    Flat, so that hashing it is cheap: (kind, type, causal, scale, layout and their types, then
+    shape, strides, dtype and device of each array).
+    """
     first = arrays[0]
     cls = type(first)
     module = cls.__module__
+    key = [kind, cls, type(causal), causal, type(scale), scale, type(layout), layout]
     if module.startswith("torch"):
-        meta = _torch_meta
         if first.device.type != "cuda":
             return None
+        for a in arrays:
+            if type(a) is not cls:
+                return None
+            key += (a.shape, a.stride(), a.dtype, a.get_device())
     elif module.startswith("cupy"):
-        meta = _cupy_meta
+        for a in arrays:
+            if type(a) is not cls:
+                return None
+            key += (a.shape, a.strides, a.dtype, a.data.device_id)
     else:
         return None
-    for a in arrays:
-        if type(a) is not cls:
-            return None
-    return (
-        kind,
-        cls,
-        type(causal),
-        causal,
-        type(scale),
-        scale,
-        type(layout),
-        layout,
-        *[meta(a) for a in arrays],
-    )
+    return tuple(key)
 
 
 def pointers(arrays: tuple) -> list[int]:

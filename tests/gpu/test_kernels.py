@@ -156,11 +156,13 @@ def check_case(case: Case, test_name: str = "property"):
     record(test_name, case.dtype, checks)
     failed = [c.message for c in checks if not c.passed]
     assert not failed, f"{case}:\n" + "\n".join(failed)
-    # The exact path: far under 1e-4 relative. With a single key dq and dk are exactly 0 (dS = 0
-    # since o = v), so their relative error is undefined; the ratio test above covers them.
+    # The exact path: far under 1e-4 relative on the well-conditioned outputs (o, lse and dv are
+    # convex combinations or sums of positive weights). dq and dk are sums that cancel (sum_j dS_ij
+    # = 0; with one key they are exactly 0), so their error relative to their own size can grow
+    # without bound at machine precision; the same-precision policy above covers them.
     limit = {"float32": 1e-5, "float64": 1e-12}.get(case.dtype)
     if limit is not None:
-        checked = [c for c in checks if case.seq_k > 1 or c.name not in ("dq", "dk")]
+        checked = [c for c in checks if c.name in ("o", "lse", "dv")]
         assert all(c.relative < limit for c in checked), [c.message for c in checked]
 
 
