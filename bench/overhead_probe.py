@@ -27,6 +27,9 @@ calls(1000)
 torch.cuda.synchronize()
 print(f"forward: {(time.perf_counter() - t) * 1e3:.1f} us per call")
 o, lse = cuflash.attention_forward(q, k, v, layout="bhsd")
+for _ in range(100):  # warm-up: compiles the backward kernels and builds the plan
+    cuflash.attention_backward(q, q, k, v, o, lse, layout="bhsd")
+torch.cuda.synchronize()
 t = time.perf_counter()
 for _ in range(1000):
     cuflash.attention_backward(q, q, k, v, o, lse, layout="bhsd")

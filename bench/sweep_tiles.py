@@ -64,25 +64,48 @@ def main() -> int:
                     o, lse = cuflash.attention_forward(q, k, v, causal=args.causal, layout="bhsd")
                     err = (o.float() - ref).abs().max().item()
                     if family == "forward":
-                        ms = time_ms(lambda: cuflash.attention_forward(
-                            q, k, v, causal=args.causal, layout="bhsd"), 2, 5, 50)
+                        ms = time_ms(
+                            lambda: cuflash.attention_forward(
+                                q, k, v, causal=args.causal, layout="bhsd"
+                            ),
+                            2,
+                            5,
+                            50,
+                        )
                         tf = flops / ms / 1e9
                     else:
-                        ms = time_ms(lambda: cuflash.attention_backward(
-                            do, q, k, v, o, lse, causal=args.causal, layout="bhsd"), 2, 5, 50)
+                        ms = time_ms(
+                            lambda: cuflash.attention_backward(
+                                do, q, k, v, o, lse, causal=args.causal, layout="bhsd"
+                            ),
+                            2,
+                            5,
+                            50,
+                        )
                         tf = 2.5 * flops / ms / 1e9
                     note = "ok" if err < 0.05 and math.isfinite(err) else f"WRONG err={err:.3g}"
-                    rows.append(f"{family:8s} d={d:3d} tiles={tiles!s:16s} {ms:8.3f} ms "
-                                f"{tf:7.1f} TFLOP/s  {note}")
+                    rows.append(
+                        f"{family:8s} d={d:3d} tiles={tiles!s:16s} {ms:8.3f} ms "
+                        f"{tf:7.1f} TFLOP/s  {note}"
+                    )
                 except Exception as exc:
-                    rows.append(f"{family:8s} d={d:3d} tiles={tiles!s:16s} failed: "
-                                f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                    rows.append(
+                        f"{family:8s} d={d:3d} tiles={tiles!s:16s} failed: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    )
                 finally:
                     _kernels.set_tile_override(family, args.dtype, d, None)
                 print(rows[-1], flush=True)
-    print("\n".join(["", f"sweep {args.dtype} N={args.seq} causal={args.causal} "
-                     "(backward rows time the whole backward; TFLOP/s at 2.5x forward FLOPs)",
-                     *rows]))
+    print(
+        "\n".join(
+            [
+                "",
+                f"sweep {args.dtype} N={args.seq} causal={args.causal} "
+                "(backward rows time the whole backward; TFLOP/s at 2.5x forward FLOPs)",
+                *rows,
+            ]
+        )
+    )
     return 0
 
 

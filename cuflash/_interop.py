@@ -298,8 +298,9 @@ class CudaAllocator:
             import torch
 
             self._torch = torch
-            self._device = torch.device(CUDA, device_index)
+            self._device = self.torch_device = torch.device(CUDA, device_index)
             self._dtypes = {name: getattr(torch, name) for name in _STORAGE}
+            self.torch_dtype = self._dtypes.__getitem__
         else:
             self._cupy = _cupy()
 

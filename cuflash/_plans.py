@@ -25,7 +25,7 @@ def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) ->
     module = cls.__module__
     key = [kind, cls, type(causal), causal, type(scale), scale, type(layout), layout]
     if module.startswith("torch"):
-        if first.device.type != "cuda":
+        if not first.is_cuda:
             return None
         for a in arrays:
             if type(a) is not cls:

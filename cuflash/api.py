@@ -60,7 +60,7 @@ def attention_forward(
     key = _plans.signature("forward", arrays, causal, scale, layout)
     plan = _plans.get(key)
     if plan is not None:  # this signature was validated before
-        return plan(*_plans.pointers(arrays))
+        return plan.call_arrays(arrays)
     problem, qi, ki, vi = _validate.check_forward(q, k, v, causal, scale, layout)
     if problem.device[0] == "cpu":
         from . import _cpu
@@ -117,7 +117,7 @@ def attention_backward(
     key = _plans.signature("backward", arrays, causal, scale, layout)
     plan = _plans.get(key)
     if plan is not None:
-        return plan(*_plans.pointers(arrays))
+        return plan.call_arrays(arrays)
     problem, doi, qi, ki, vi, oi, lsei = _validate.check_backward(
         do, q, k, v, o, lse, causal, scale, layout
     )
