@@ -32,14 +32,6 @@ from ._validate import Problem
 
 _MAX_GRID_X = 2**31 - 1
 
-try:  # for the torch fast path of ForwardPlan.call_arrays
-    import torch as _torch_module
-
-    _torch_empty, _torch_empty_like = _torch_module.empty, _torch_module.empty_like
-    _torch_contiguous = _torch_module.contiguous_format
-except ImportError:  # pragma: no cover - only torch inputs take that path
-    _torch_empty = _torch_empty_like = _torch_contiguous = None
-
 
 class _Loaded:
     __slots__ = ("function", "ptr", "spec")
@@ -193,6 +185,16 @@ class ForwardPlan:
         self.alloc = CudaAllocator(qi.library, self.device)
         self.stream = stream_getter(qi.library)
         self.shapes = (p.q_shape, p.dtype, p.lse_shape, p.lse_dtype)
+        if qi.library == "torch":
+            import torch
+
+            self._torch_outputs = (
+                torch.empty_like,
+                torch.contiguous_format,
+                torch.empty,
+                self.alloc.torch_dtype(p.lse_dtype),
+                self.alloc.torch_device,
+            )
         self.empty_keys = p.seq_k == 0
         self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
         if not self.work:
@@ -228,12 +230,9 @@ class ForwardPlan:
             return self(*_plans.pointers(arrays))
         # torch tensors: the shortest path (the host time of small calls matters)
         q, k, v = arrays
-        o = _torch_empty_like(q, memory_format=_torch_contiguous)
-        lse = _torch_empty(
-            self.shapes[2],
-            dtype=self.alloc.torch_dtype(self.shapes[3]),
-            device=self.alloc.torch_device,
-        )
+        empty_like, contiguous, empty, lse_dtype, device = self._torch_outputs
+        o = empty_like(q, memory_format=contiguous)
+        lse = empty(self.shapes[2], dtype=lse_dtype, device=device)
         q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
         vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
         _launch(
