@@ -148,6 +148,9 @@ def bench_point(p: Point, methods: list[str], args) -> Point:
                     **reps,
                 )
             elif method == "naive":
+                if p.dtype == "bfloat16":
+                    p.errors[method] = "skipped: CuPy has no bfloat16 matrix product"
+                    continue
                 if p.batch * p.heads_q * p.seq * p.seq * 6 > args.naive_limit_gb * 2**30:
                     p.errors[method] = "skipped: S and P would not fit"
                     continue
