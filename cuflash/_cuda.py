@@ -46,6 +46,26 @@ _locks_guard = threading.Lock()
 compile_count = 0  # modules built or read from the disk cache in this process (for tests)
 
 
+_arch: dict[int, str] = {}
+
+
+def device_arch(device_index: int) -> str:
+    """The kernel target of GPU `device_index` (sm_90a on Hopper, sm_80/86/89 otherwise)."""
+    arch = _arch.get(device_index)
+    if arch is None:
+        import cupy
+
+        arch = _arch[device_index] = _kernels.kernel_arch(
+            cupy.cuda.Device(device_index).compute_capability
+        )
+    return arch
+
+
+def spec_for(family: str, dtype: str, head_dim: int, device_index: int) -> _kernels.KernelSpec:
+    """The instance of the table that runs on GPU `device_index`."""
+    return _kernels.kernel_spec(family, dtype, head_dim, device_arch(device_index))
+
+
 def load(spec: _kernels.KernelSpec, device_index: int) -> _Loaded:
     """The compiled function of `spec` on device `device_index` (compiled once per process)."""
     key = (spec.name_expression, device_index)
@@ -199,7 +219,7 @@ class ForwardPlan:
         self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
         if not self.work:
             return
-        self.loaded = load(_kernels.kernel_spec("forward", p.dtype, p.head_dim), self.device)
+        self.loaded = load(spec_for("forward", p.dtype, p.head_dim, self.device), self.device)
         blocks = _ceil_div(p.seq_q, self.loaded.spec.rows_per_block)
         self.grid = blocks * p.batch * p.heads_q
         strides = [p.bhs_strides(x) for x in (qi.strides, ki.strides, vi.strides)]
@@ -305,9 +325,9 @@ class BackwardPlan:
             return
         dev, dt, d = self.device, p.dtype, p.head_dim
         self.delta_dtype = "float64" if dt in _kernels.EXACT_DTYPES else "float32"
-        self.pre = load(_kernels.kernel_spec("preprocess", dt, d), dev)
-        self.dkdv = load(_kernels.kernel_spec("dkdv", dt, d), dev)
-        self.dq = load(_kernels.kernel_spec("dq", dt, d), dev)
+        self.pre = load(spec_for("preprocess", dt, d, dev), dev)
+        self.dkdv = load(spec_for("dkdv", dt, d, dev), dev)
+        self.dq = load(spec_for("dq", dt, d, dev), dev)
 
         rows = p.batch * p.heads_q * p.seq_q
         self.pre_grid = _ceil_div(rows, self.pre.spec.rows_per_block)

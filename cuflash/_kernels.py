@@ -34,6 +34,7 @@ _CPP_ELEM = {
 }
 _SOURCE_FILE = {
     ("forward", "mma"): "forward.cu",
+    ("forward", "wgmma"): "forward_sm90.cu",
     ("dq", "mma"): "backward_dq.cu",
     ("dkdv", "mma"): "backward_dkdv.cu",
     ("forward", "exact"): "exact.cu",
@@ -43,6 +44,7 @@ _SOURCE_FILE = {
 }
 _TEMPLATE = {
     ("forward", "mma"): "attention_forward_mma",
+    ("forward", "wgmma"): "attention_forward_wgmma",
     ("dq", "mma"): "attention_backward_dq_mma",
     ("dkdv", "mma"): "attention_backward_dkdv_mma",
     ("forward", "exact"): "attention_forward_exact",
@@ -90,6 +92,19 @@ _MMA_TILES = {
         256: (32, 32, 4, 2),
     },
 }
+# Hopper forward (kernels_cu/forward_sm90.cu, wgmma): (BM, BN) per head-dim bucket; BM / 64
+# warpgroups. Used on sm_90a for these buckets; the others keep the mma.sync kernel.
+_WGMMA_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+_wgmma_enabled = True
+
+
+def set_wgmma(enabled: bool) -> None:
+    """Use the Hopper forward kernel on sm_90a (default) or the sm_80 one (for comparisons)."""
+    global _wgmma_enabled
+    _wgmma_enabled = bool(enabled)
+    kernel_spec.cache_clear()
+
+
 # Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN. The exact path
 # computes in float64 whatever the storage type (kernels_cu/exact.cu).
 _EXACT_TILES = {
@@ -133,6 +148,8 @@ def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:
     found = _overrides.get((family, dtype, hd))
     if found is not None:
         return found
+    if family == "forward_sm90":
+        return _WGMMA_FORWARD_TILES[hd]
     if dtype in TENSOR_CORE_DTYPES:
         return _MMA_TILES[family][hd]
     return _EXACT_TILES[dtype][hd]
@@ -166,8 +183,9 @@ def path_of(dtype: str) -> str:
 
 
 @cache
-def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
-    """The instance that runs `family` for `dtype` and head dim `head_dim` (any d in 1..256)."""
+def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> KernelSpec:
+    """The instance that runs `family` for `dtype` and head dim `head_dim` (any d in 1..256) on a
+    GPU of architecture `arch` (kernel_arch's spelling: sm_80, sm_86, sm_89, sm_90a, ...)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}")
     if dtype not in DTYPES:
@@ -188,6 +206,13 @@ def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
         )
     hd = head_dim_bucket(head_dim)
     path = path_of(dtype)
+    if family == "forward" and path == "mma" and uses_wgmma(arch, hd):
+        bm, bn = _tiles("forward_sm90", dtype, hd)
+        key = ("forward", "wgmma")
+        expr = f"cuflash::{_TEMPLATE[key]}<{elem}, {hd}, {bm}, {bn}>"
+        # Q, two stages of K and V (swizzled, no padding), and 1 KB to align them to 1024 bytes
+        smem = (bm + 4 * bn) * hd * itemsize + 1024
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, 2 * bm, smem, bm, bn)
     key = (family, path)
     name = f"cuflash::{_TEMPLATE[key]}"
     if path == "mma":
@@ -217,12 +242,17 @@ def kernel_spec(family: str, dtype: str, head_dim: int) -> KernelSpec:
     return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
 
 
-def all_specs() -> list[KernelSpec]:
-    """Every instance the library can launch: what the compile check must cover."""
-    specs = [kernel_spec("preprocess", dt, 0) for dt in DTYPES]
+def uses_wgmma(arch: str, bucket: int) -> bool:
+    """Whether the forward of this head-dim bucket runs the Hopper kernel on `arch`."""
+    return _wgmma_enabled and arch == "sm_90a" and bucket in _WGMMA_FORWARD_TILES
+
+
+def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
+    """Every instance the library can launch on `arch`: what the compile check must cover."""
+    specs = [kernel_spec("preprocess", dt, 0, arch) for dt in DTYPES]
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
-            specs.extend(kernel_spec(family, dt, hd) for hd in HEAD_DIM_BUCKETS)
+            specs.extend(kernel_spec(family, dt, hd, arch) for hd in HEAD_DIM_BUCKETS)
     return specs
 
 

@@ -123,15 +123,18 @@ def run(archs=DEFAULT_ARCHS, jobs: int | None = None, nvcc: str | None = None) -
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    by_source: dict[str, list[_kernels.KernelSpec]] = defaultdict(list)
-    for spec in _kernels.all_specs():
-        by_source[spec.source].append(spec)
-    work = [(src, arch) for src in sorted(by_source) for arch in archs]
+    # One unit per (source, architecture), holding the instances that architecture launches.
+    units: dict[tuple[str, str], list[_kernels.KernelSpec]] = defaultdict(list)
+    for arch in archs:
+        for spec in _kernels.all_specs(arch):
+            units[(spec.source, arch)].append(spec)
     # Largest units first, so that the last one to finish is a short one.
-    work.sort(key=lambda w: -len(by_source[w[0]]))
+    work = sorted(units, key=lambda w: -len(units[w]))
     jobs = jobs or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(compile_unit, nvcc, src, arch, by_source[src]) for src, arch in work]
+        futures = [
+            pool.submit(compile_unit, nvcc, src, arch, units[(src, arch)]) for src, arch in work
+        ]
         return [f.result() for f in futures]
 
 
