@@ -40,7 +40,7 @@ def reference(q, k, v, causal, scale):
     return (p @ vf).transpose(1, 2), lse
 
 
-def check(dtype) -> bool:
+def check(dtype, quick: bool = False) -> bool:
     torch.manual_seed(0)
     ok = True
     cases = [
@@ -55,6 +55,8 @@ def check(dtype) -> bool:
         (1, 1, 1, 1, 1, 128, False, False),
         (1, 4096, 4096, 2, 2, 128, True, False),
     ]
+    if quick:
+        cases = [cases[1], cases[2], cases[5], cases[6]]
     for b, nq, nk, hq, hkv, d, causal, strided in cases:
         q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype)
@@ -134,11 +136,54 @@ def bench(seqs, dims) -> None:
                 )
 
 
+def sweep(configs: dict[int, list[tuple[int, int]]], seqs) -> None:
+    """Forward TFLOP/s of each (BM, BN) of the Hopper kernel, bf16, B = 16384 / N, H = 2048 / d."""
+    print(
+        "sweep: d BM BN | "
+        + " ".join(f"N={n} {'causal' if c else 'full'}" for n in seqs for c in (0, 1))
+    )
+    for d, tiles in configs.items():
+        for bm, bn in tiles:
+            _kernels.set_tile_override("forward_sm90", "bfloat16", d, (bm, bn))
+            _plans._plans.clear()
+            try:
+                ok = check(torch.bfloat16, quick=True)
+                row = []
+                for n in seqs:
+                    for causal in (False, True):
+                        b, h = 16384 // n, 2048 // d
+                        q, k, v = (
+                            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(3)
+                        )
+                        ms = time_ms(lambda: cuflash.attention_forward(q, k, v, causal=causal))
+                        row.append(4 * b * h * n * n * d * (0.5 if causal else 1.0) / ms / 1e9)
+                print(
+                    f"sweep: {d} {bm} {bn} {'ok' if ok else 'WRONG'} | "
+                    + " ".join(f"{t:6.1f}" for t in row),
+                    flush=True,
+                )
+            except Exception as exc:  # a configuration that does not build or launch
+                print(f"sweep: {d} {bm} {bn} failed: {exc}"[:300], flush=True)
+            _kernels.set_tile_override("forward_sm90", "bfloat16", d, None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", nargs="+", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--sweep", action="store_true", help="compare (BM, BN) of the wgmma kernel")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(
+            {
+                64: [(128, 128), (64, 64), (64, 128), (128, 64), (192, 64)],
+                128: [(128, 128), (64, 64), (192, 128), (192, 64), (64, 128), (128, 64)],
+                256: [(128, 64), (64, 64)],
+            },
+            args.seq,
+        )
+        return 0
     ok = check(torch.bfloat16) & check(torch.float16)
     print("correctness:", "ok" if ok else "FAILED")
     if not ok:

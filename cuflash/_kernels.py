@@ -93,8 +93,10 @@ _MMA_TILES = {
     },
 }
 # Hopper forward (kernels_cu/forward_sm90.cu, wgmma): (BM, BN) per head-dim bucket; BM / 64
-# warpgroups. Used on sm_90a for these buckets; the others keep the mma.sync kernel.
-_WGMMA_FORWARD_TILES = {64: (128, 128), 128: (128, 128)}
+# warpgroups. Used on sm_90a for these buckets; the others keep the mma.sync kernel. Chosen with
+# bench/probe_sm90.py --sweep on an H100 (bench/NOTES.md): three warpgroups where the registers
+# allow it (d = 64, 128), two at d = 256 (three spill).
+_WGMMA_FORWARD_TILES = {64: (192, 64), 128: (192, 128), 256: (128, 64)}
 _wgmma_enabled = True
 
 

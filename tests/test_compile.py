@@ -49,6 +49,30 @@ def test_table_covers_every_dtype_and_head_dim():
         _kernels.head_dim_bucket(257)
 
 
+def test_hopper_forward_instances():
+    # sm_90a runs the wgmma forward for the buckets of its table, the mma.sync kernel otherwise;
+    # every other architecture and family keeps the portable instances.
+    for d in range(1, _kernels.MAX_HEAD_DIM + 1):
+        bucket = _kernels.head_dim_bucket(d)
+        hopper = _kernels.kernel_spec("forward", "bfloat16", d, "sm_90a")
+        portable = _kernels.kernel_spec("forward", "bfloat16", d, "sm_80")
+        assert portable.source == "forward.cu"
+        if bucket in (64, 128, 256):
+            assert hopper.source == "forward_sm90.cu" and hopper.head_dim == bucket
+            assert hopper.threads % 128 == 0  # whole warpgroups
+            assert hopper.smem_bytes <= 227 * 1024, hopper  # the sm_90 opt-in limit
+        else:
+            assert hopper == portable
+        for family in ("dkdv", "dq"):
+            assert _kernels.kernel_spec(family, "float16", d, "sm_90a").source != "forward_sm90.cu"
+        assert _kernels.kernel_spec("forward", "float32", d, "sm_90a").source == "exact.cu"
+    _kernels.set_wgmma(False)
+    try:
+        assert _kernels.kernel_spec("forward", "float16", 128, "sm_90a").source == "forward.cu"
+    finally:
+        _kernels.set_wgmma(True)
+
+
 def test_ptxas_report_parser():
     text = """ptxas info    : Compiling entry function '_Zkernel' for 'sm_80'
 ptxas info    : Function properties for _Zkernel
