@@ -81,6 +81,48 @@ def check(dtype, quick: bool = False) -> bool:
     return ok
 
 
+def check_backward(dtype) -> bool:
+    """Gradients of the library against float32 autograd of the reference, awkward shapes."""
+    torch.manual_seed(1)
+    ok = True
+    cases = [
+        # B, Nq, Nk, Hq, Hkv, d, causal
+        (2, 300, 300, 3, 3, 128, False),
+        (2, 300, 300, 3, 3, 128, True),
+        (1, 257, 1000, 4, 2, 128, True),
+        (1, 1000, 257, 4, 2, 64, True),
+        (3, 129, 77, 2, 1, 100, False),
+        (2, 513, 513, 2, 2, 64, True),
+        (1, 1, 1, 1, 1, 64, False),
+        (1, 2048, 2048, 2, 2, 128, True),
+    ]
+    for b, nq, nk, hq, hkv, d, causal in cases:
+        q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype)
+        do = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype)
+        scale = 1 / math.sqrt(d)
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal, scale=scale)
+        dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+        qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+        ro, _ = reference(qf, kf, vf, causal, scale)
+        ro.backward(do.float())
+        line = []
+        good = True
+        for name, got, ref in (("dq", dq, qf.grad), ("dk", dk, kf.grad), ("dv", dv, vf.grad)):
+            err = (got.float() - ref).abs().max().item()
+            limit = 8 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 0.3)
+            good &= err <= limit and not torch.isnan(got).any().item()
+            line.append(f"{name} {err:.1e}/{limit:.1e}")
+        ok &= good
+        print(
+            f"{'ok ' if good else 'BAD'} bwd {str(dtype)[6:]:8s}"
+            f" b{b} nq{nq} nk{nk} h{hq}/{hkv} d{d} "
+            f"causal={causal}: " + ", ".join(line)
+        )
+    return ok
+
+
 def time_ms(fn, reps=20):
     for _ in range(3):
         fn()
@@ -168,12 +210,98 @@ def sweep(configs: dict[int, list[tuple[int, int]]], seqs) -> None:
             _kernels.set_tile_override("forward_sm90", "bfloat16", d, None)
 
 
+def bench_backward(seqs, dims) -> None:
+    """Backward TFLOP/s (2.5x the forward count) of the library (wgmma, sm80) and SDPA flash."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    print(
+        f"{'d':>4} {'N':>6} {'causal':>6} | {'wgmma':>7} {'sm80':>7} {'flash':>7} | bwd wgmma/flash"
+    )
+    for d in dims:
+        for n in seqs:
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                q, k, v, do = (
+                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+                )
+                flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                res = {}
+                for name, enabled in (("wgmma", True), ("sm80", False)):
+                    _kernels.set_wgmma(enabled)
+                    _plans._plans.clear()
+                    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                    res[name] = time_ms(
+                        lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+                    )
+                _kernels.set_wgmma(True)
+                _plans._plans.clear()
+                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    dot = do.transpose(1, 2)
+                    res["flash"] = time_ms(
+                        lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
+                    )
+                tf = {kk: flops / (ms * 1e-3) / 1e12 for kk, ms in res.items()}
+                print(
+                    f"{d:4d} {n:6d} {str(causal):>6} | {tf['wgmma']:7.1f} {tf['sm80']:7.1f} "
+                    f"{tf['flash']:7.1f} | {tf['wgmma'] / tf['flash']:.2f}",
+                    flush=True,
+                )
+
+
+def sweep_backward(configs: dict[tuple[str, int], list[tuple[int, int]]], seqs) -> None:
+    """Backward TFLOP/s per (BM, BN) of one Hopper backward kernel (the other at its default)."""
+    print(
+        "sweep-bwd: family d BM BN | "
+        + " ".join(f"N={n} {'causal' if c else 'full'}" for n in seqs for c in (0, 1))
+    )
+    for (family, d), tiles in configs.items():
+        for bm, bn in tiles:
+            _kernels.set_tile_override(family + "_sm90", "bfloat16", d, (bm, bn))
+            _plans._plans.clear()
+            try:
+                row = []
+                for n in seqs:
+                    for causal in (False, True):
+                        b, h = 16384 // n, 2048 // d
+                        q, k, v, do = (
+                            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(4)
+                        )
+                        o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                        ms = time_ms(
+                            lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+                        )
+                        row.append(10 * b * h * n * n * d * (0.5 if causal else 1.0) / ms / 1e9)
+                print(
+                    f"sweep-bwd: {family} {d} {bm} {bn} | " + " ".join(f"{t:6.1f}" for t in row),
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"sweep-bwd: {family} {d} {bm} {bn} failed: {exc}"[:300], flush=True)
+            _kernels.set_tile_override(family + "_sm90", "bfloat16", d, None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", nargs="+", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--sweep", action="store_true", help="compare (BM, BN) of the wgmma kernel")
+    parser.add_argument("--sweep-backward", action="store_true")
     args = parser.parse_args()
+    if args.sweep_backward:
+        ok = check_backward(torch.bfloat16)
+        sweep_backward(
+            {
+                ("dq", 64): [(192, 64), (128, 64), (128, 128)],
+                ("dq", 128): [(192, 64), (128, 64), (128, 128)],
+                ("dkdv", 64): [(64, 192), (64, 128)],
+                ("dkdv", 128): [(64, 128)],
+            },
+            args.seq,
+        )
+        return 0 if ok else 1
     if args.sweep:
         sweep(
             {
@@ -185,26 +313,11 @@ def main() -> int:
         )
         return 0
     ok = check(torch.bfloat16) & check(torch.float16)
+    ok &= check_backward(torch.bfloat16) & check_backward(torch.float16)
     print("correctness:", "ok" if ok else "FAILED")
-    if not ok:
-        # Diagnosis: the same kernel with the V descriptor's two strides exchanged.
-        from cuflash import _cuda
-
-        original = _kernels.expanded_source
-        needle = "smem_desc(v_tile + kk * 2048, BN * 128, 1024)"
-
-        def swapped(name):
-            text = original(name)
-            return text.replace(needle, "smem_desc(v_tile + kk * 2048, 1024, BN * 128)")
-
-        assert needle in original("forward_sm90.cu")
-        _kernels.expanded_source = swapped
-        _cuda._loaded.clear()
-        _plans._plans.clear()
-        print("with LBO and SBO of V exchanged:", "ok" if check(torch.bfloat16) else "FAILED")
-        return 1
     if ok:
         bench(args.seq, args.head_dim)
+        bench_backward(args.seq, [d for d in args.head_dim if d <= 128])
     return 0 if ok else 1
 
 

@@ -35,6 +35,8 @@ _CPP_ELEM = {
 _SOURCE_FILE = {
     ("forward", "mma"): "forward.cu",
     ("forward", "wgmma"): "forward_sm90.cu",
+    ("dq", "wgmma"): "backward_sm90.cu",
+    ("dkdv", "wgmma"): "backward_sm90.cu",
     ("dq", "mma"): "backward_dq.cu",
     ("dkdv", "mma"): "backward_dkdv.cu",
     ("forward", "exact"): "exact.cu",
@@ -45,6 +47,8 @@ _SOURCE_FILE = {
 _TEMPLATE = {
     ("forward", "mma"): "attention_forward_mma",
     ("forward", "wgmma"): "attention_forward_wgmma",
+    ("dq", "wgmma"): "attention_backward_dq_wgmma",
+    ("dkdv", "wgmma"): "attention_backward_dkdv_wgmma",
     ("dq", "mma"): "attention_backward_dq_mma",
     ("dkdv", "mma"): "attention_backward_dkdv_mma",
     ("forward", "exact"): "attention_forward_exact",
@@ -96,12 +100,19 @@ _MMA_TILES = {
 # warpgroups. Used on sm_90a for these buckets; the others keep the mma.sync kernel. Chosen with
 # bench/probe_sm90.py --sweep on an H100 (bench/NOTES.md): three warpgroups where the registers
 # allow it (d = 64, 128), two at d = 256 (three spill).
-_WGMMA_FORWARD_TILES = {64: (192, 64), 128: (192, 128), 256: (128, 64)}
+# The backward kernels (kernels_cu/backward_sm90.cu): dq (BM query rows, BN keys per tile) and
+# dkdv (BM query rows per tile, BN keys per block), BM resp. BN / 64 warpgroups; head dims 64 and
+# 128 (at 256 the dK and dV accumulators do not fit in registers).
+_WGMMA_TILES = {
+    "forward": {64: (192, 64), 128: (192, 128), 256: (128, 64)},
+    "dq": {64: (192, 64), 128: (192, 64)},
+    "dkdv": {64: (64, 192), 128: (64, 128)},
+}
 _wgmma_enabled = True
 
 
 def set_wgmma(enabled: bool) -> None:
-    """Use the Hopper forward kernel on sm_90a (default) or the sm_80 one (for comparisons)."""
+    """Use the Hopper kernels on sm_90a (default) or the sm_80 ones (for comparisons)."""
     global _wgmma_enabled
     _wgmma_enabled = bool(enabled)
     kernel_spec.cache_clear()
@@ -150,8 +161,8 @@ def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:
     found = _overrides.get((family, dtype, hd))
     if found is not None:
         return found
-    if family == "forward_sm90":
-        return _WGMMA_FORWARD_TILES[hd]
+    if family.endswith("_sm90"):
+        return _WGMMA_TILES[family[: -len("_sm90")]][hd]
     if dtype in TENSOR_CORE_DTYPES:
         return _MMA_TILES[family][hd]
     return _EXACT_TILES[dtype][hd]
@@ -208,13 +219,21 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
         )
     hd = head_dim_bucket(head_dim)
     path = path_of(dtype)
-    if family == "forward" and path == "mma" and uses_wgmma(arch, hd):
-        bm, bn = _tiles("forward_sm90", dtype, hd)
-        key = ("forward", "wgmma")
+    if path == "mma" and uses_wgmma(family, arch, hd):
+        bm, bn = _tiles(family + "_sm90", dtype, hd)
+        key = (family, "wgmma")
         expr = f"cuflash::{_TEMPLATE[key]}<{elem}, {hd}, {bm}, {bn}>"
-        # Q, two stages of K and V (swizzled, no padding), and 1 KB to align them to 1024 bytes
-        smem = (bm + 4 * bn) * hd * itemsize + 1024
-        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, 2 * bm, smem, bm, bn)
+        # Swizzled tiles (no padding) and 1 KB to align them to 1024 bytes. forward: Q and two
+        # stages of K and V; dq: Q, dO and two stages of K and V; dkdv: K, V and two stages of
+        # Q, dO, lse and D. The block owns BM query rows (dkdv: BN keys) and streams the other.
+        if family == "forward":
+            smem = (bm + 4 * bn) * hd * itemsize + 1024
+            return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, 2 * bm, smem, bm, bn)
+        if family == "dq":
+            smem = (2 * bm + 4 * bn) * hd * itemsize + 1024
+            return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, 2 * bm, smem, bm, bn)
+        smem = (2 * bn + 4 * bm) * hd * itemsize + 4 * bm * 4 + 1024
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, 2 * bn, smem, bn, bm)
     key = (family, path)
     name = f"cuflash::{_TEMPLATE[key]}"
     if path == "mma":
@@ -244,9 +263,9 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
     return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
 
 
-def uses_wgmma(arch: str, bucket: int) -> bool:
-    """Whether the forward of this head-dim bucket runs the Hopper kernel on `arch`."""
-    return _wgmma_enabled and arch == "sm_90a" and bucket in _WGMMA_FORWARD_TILES
+def uses_wgmma(family: str, arch: str, bucket: int) -> bool:
+    """Whether `family` runs its Hopper (wgmma) kernel for this head-dim bucket on `arch`."""
+    return _wgmma_enabled and arch == "sm_90a" and bucket in _WGMMA_TILES.get(family, {})
 
 
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:

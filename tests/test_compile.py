@@ -49,26 +49,28 @@ def test_table_covers_every_dtype_and_head_dim():
         _kernels.head_dim_bucket(257)
 
 
-def test_hopper_forward_instances():
-    # sm_90a runs the wgmma forward for the buckets of its table, the mma.sync kernel otherwise;
-    # every other architecture and family keeps the portable instances.
+def test_hopper_instances():
+    # sm_90a runs the wgmma kernels for the buckets of their table, the mma.sync kernels
+    # otherwise; every other architecture keeps the portable instances.
+    hopper_buckets = {"forward": (64, 128, 256), "dq": (64, 128), "dkdv": (64, 128)}
+    portable_source = {"forward": "forward.cu", "dq": "backward_dq.cu", "dkdv": "backward_dkdv.cu"}
     for d in range(1, _kernels.MAX_HEAD_DIM + 1):
         bucket = _kernels.head_dim_bucket(d)
-        hopper = _kernels.kernel_spec("forward", "bfloat16", d, "sm_90a")
-        portable = _kernels.kernel_spec("forward", "bfloat16", d, "sm_80")
-        assert portable.source == "forward.cu"
-        if bucket in (64, 128, 256):
-            assert hopper.source == "forward_sm90.cu" and hopper.head_dim == bucket
-            assert hopper.threads % 128 == 0  # whole warpgroups
-            assert hopper.smem_bytes <= 227 * 1024, hopper  # the sm_90 opt-in limit
-        else:
-            assert hopper == portable
-        for family in ("dkdv", "dq"):
-            assert _kernels.kernel_spec(family, "float16", d, "sm_90a").source != "forward_sm90.cu"
-        assert _kernels.kernel_spec("forward", "float32", d, "sm_90a").source == "exact.cu"
+        for family, buckets in hopper_buckets.items():
+            hopper = _kernels.kernel_spec(family, "bfloat16", d, "sm_90a")
+            portable = _kernels.kernel_spec(family, "bfloat16", d, "sm_80")
+            assert portable.source == portable_source[family]
+            if bucket in buckets:
+                assert hopper.source.endswith("_sm90.cu") and hopper.head_dim == bucket
+                assert hopper.threads % 128 == 0  # whole warpgroups
+                assert hopper.smem_bytes <= 227 * 1024, hopper  # the sm_90 opt-in limit
+            else:
+                assert hopper == portable
+            assert _kernels.kernel_spec(family, "float32", d, "sm_90a").source == "exact.cu"
     _kernels.set_wgmma(False)
     try:
         assert _kernels.kernel_spec("forward", "float16", 128, "sm_90a").source == "forward.cu"
+        assert _kernels.kernel_spec("dq", "float16", 64, "sm_90a").source == "backward_dq.cu"
     finally:
         _kernels.set_wgmma(True)
 

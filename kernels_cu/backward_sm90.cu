@@ -1,0 +1,322 @@
+// backward_sm90.cu: the dK/dV and dQ kernels on Hopper's warpgroup tensor cores (sm_90a, wgmma).
+// Same contracts, arguments and arithmetic as backward_dkdv.cu and backward_dq.cu; the tiles live
+// in shared memory in the 128-byte swizzled layout of wgmma.cuh, and each warpgroup owns 64 rows.
+//
+// dK/dV, per query tile i (a warpgroup owns 64 keys of the block):
+//   S^T = K Q_i^T, dP^T = V dO_i^T              (A and B from shared memory, K-major)
+//   P^T = exp(scale S^T - lse), dS^T = P^T (dP^T - D)   (registers, fragment layout of mma.sync)
+//   dV += P^T dO_i, dK += dS^T Q_i               (A from registers, B read MN-major)
+// dQ, per key tile j (a warpgroup owns 64 query rows):
+//   S = Q K_j^T, dP = dO V_j^T, dS = P (dP - D), dQ += dS K_j
+// The streamed tiles (Q_i and dO_i, or K_j and V_j) go through two cp.async stages: tile i + 1 loads
+// while tile i is computed, with one block-wide barrier per tile. No atomics: deterministic.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tile.cuh"
+#include "mask.cuh"
+#include "gemm.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+// Issues C (+)= A B^T over the head dim for one warpgroup: A = 64 rows of a swizzled tile of
+// A_ROWS rows starting at row a_row0, B = a whole swizzled tile of N rows. No commit, no wait.
+template <typename Elem, int HD, int A_ROWS, int N>
+__device__ __forceinline__ void wgmma_abt_head_dim(float (&c)[N / 8][4], const unsigned char* a_tile,
+                                                   int a_row0, const unsigned char* b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const int block = kk >> 2, within = (kk & 3) * 32;
+    wgmma_ss<Elem, N>(c, smem_desc(a_tile + block * (A_ROWS * 128) + a_row0 * 128 + within, 16, 1024),
+                      smem_desc(b_tile + block * (N * 128) + within, 16, 1024), kk > 0);
+  }
+}
+
+// Issues C += P B for one warpgroup: P = K_ROWS / 16 A fragments (registers), B = a swizzled tile
+// of K_ROWS rows read MN-major (its head dim is C's N). No commit, no wait.
+template <typename Elem, int HD, int K_ROWS>
+__device__ __forceinline__ void wgmma_pb(float (&c)[HD / 8][4], const unsigned (&p)[K_ROWS / 16][4],
+                                         const unsigned char* b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < K_ROWS / 16; ++kk)
+    wgmma_rs<Elem, HD>(c, p[kk], smem_desc(b_tile + kk * 2048, K_ROWS * 128, 1024), 1);
+}
+
+// Keeps A fragments alive (unmodified) until the wgmma that reads them has been waited for.
+template <int K>
+__device__ __forceinline__ void keep_fragments(unsigned (&p)[K][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ
+
+template <typename Elem, int HD, int BM, int BN>
+__global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
+    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dq,
+    i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
+    i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss, i64 dq_sb, i64 dq_sh,
+    i64 dq_ss, int hq, int group, int nq, int nk, int d, float scale, int causal, int vec,
+    int num_m_blocks) {
+  constexpr int NTHREADS = BM * 2, NT_S = BN / 8, NT_D = HD / 8;
+  constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, PITCH = HD + 8;
+  static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % 16 == 0, "wgmma tile shapes");
+  static_assert(BM * PITCH * 2 <= 2 * ROWS_BYTES + 4 * KV_BYTES, "staging tile fits");
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* sQ = smem;
+  unsigned char* sdO = sQ + ROWS_BYTES;
+  unsigned char* sK = sdO + ROWS_BYTES;  // two stages; V's two stages follow
+  unsigned char* sV = sK + 2 * KV_BYTES;
+
+  const BlockCoords bc = decode_block(hq, num_m_blocks);
+  const int kv_head = bc.head / group;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = bc.block * BM, warp_row0 = warp * 16;
+  const bool is_causal = causal != 0, use_vec = vec != 0;
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  // This lane's rows g and g + 8: lse in log2 units (+inf where P must be 0) and D.
+  float lse2[2], dlt[2];
+  const float* lse_head = lse + bc.batch * lse_sb + bc.head * lse_sh;
+  const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = m0 + warp_row0 + g + 8 * r;
+    float l = inf_f32(), dl = 0.f;
+    if (row < nq) {
+      l = lse_head[row * lse_ss];
+      l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
+      dl = delta_head[row];
+    }
+    lse2[r] = l;
+    dlt[r] = dl;
+  }
+  float acc_dq[NT_D][4];
+#pragma unroll
+  for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+
+  const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
+  const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
+  const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
+  load_tile_swizzled<BM, HD, NTHREADS>(sQ, head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head),
+                                       q_ss, m0, nq, d, use_vec);
+  load_tile_swizzled<BM, HD, NTHREADS>(
+      sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head), do_ss, m0, nq, d,
+      use_vec);
+  if (tiles.count > 0) {
+    load_tile_swizzled<BN, HD, NTHREADS>(sK, k_head, k_ss, 0, nk, d, use_vec);
+    load_tile_swizzled<BN, HD, NTHREADS>(sV, v_head, v_ss, 0, nk, d, use_vec);
+  }
+  cp_async_commit();
+
+  for (int j = 0; j < tiles.count; ++j) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // tile j has landed; every warpgroup is done with tile j - 1
+    if (j + 1 < tiles.count) {
+      const int next = ((j + 1) & 1) * KV_BYTES;
+      load_tile_swizzled<BN, HD, NTHREADS>(sK + next, k_head, k_ss, (j + 1) * BN, nk, d, use_vec);
+      load_tile_swizzled<BN, HD, NTHREADS>(sV + next, v_head, v_ss, (j + 1) * BN, nk, d, use_vec);
+      cp_async_commit();
+    }
+    const unsigned char* k_tile = sK + (j & 1) * KV_BYTES;
+    const unsigned char* v_tile = sV + (j & 1) * KV_BYTES;
+    float s[NT_S][4], dp[NT_S][4];
+    wgmma_fence();
+    wgmma_abt_head_dim<Elem, HD, BM, BN>(s, sQ, wg * 64, k_tile);    // S = Q K_j^T
+    wgmma_abt_head_dim<Elem, HD, BM, BN>(dp, sdO, wg * 64, v_tile);  // dP = dO V_j^T
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(s);
+    fence_accumulators(dp);
+    const bool masked = j >= tiles.full;
+    unsigned ds[BN / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+        if (masked) {
+          const int i = m0 + warp_row0 + g + ((e >> 1) << 3);
+          const int key = j * BN + nt * 8 + 2 * t + (e & 1);
+          if (!key_visible(i, key, nq, nk, is_causal)) p = 0.f;
+        }
+        dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]);  // dS
+      }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) accum_to_a_frag<Elem>(ds[kk], dp[2 * kk], dp[2 * kk + 1]);
+    wgmma_fence();
+    wgmma_pb<Elem, HD, BN>(acc_dq, ds, k_tile);  // dQ += dS K_j
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(acc_dq);
+    keep_fragments(ds);
+  }
+
+  // Epilogue: dQ = scale * acc, staged through shared memory (row pitch HD + 8).
+  cp_async_wait<0>();
+  __syncthreads();
+  unsigned short* s_out = reinterpret_cast<unsigned short*>(smem);
+  float (&acc)[1][NT_D][4] = reinterpret_cast<float (&)[1][NT_D][4]>(acc_dq);
+  stage_accumulators<Elem, 1, NT_D, PITCH>(s_out + warp_row0 * PITCH, acc, scale, lane);
+  __syncthreads();
+  unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
+  store_tile<BM, HD, PITCH, NTHREADS>(dq_head, s_out, dq_ss, m0, nq, d, use_vec);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK and dV
+
+template <typename Elem, int HD, int BM, int BN>
+__global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
+    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dk,
+    unsigned short* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss,
+    i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh,
+    i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss, int hq,
+    int group, int nq, int nk, int d, float scale, int causal, int vec, int num_n_blocks) {
+  // BN keys per block (64 per warpgroup), query tiles of BM rows.
+  constexpr int NTHREADS = BN * 2, NT_Q = BM / 8, NT_D = HD / 8;
+  constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2, PITCH = HD + 8;
+  static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % 16 == 0, "wgmma tile shapes");
+  static_assert(2 * BN * PITCH * 2 <= 2 * KEYS_BYTES + 4 * ROWS_BYTES, "staging tiles fit");
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* sK = smem;
+  unsigned char* sV = sK + KEYS_BYTES;
+  unsigned char* sQ = sV + KEYS_BYTES;     // two stages; dO's two stages follow
+  unsigned char* sdO = sQ + 2 * ROWS_BYTES;
+  float* sLse2 = reinterpret_cast<float*>(sdO + 2 * ROWS_BYTES);  // two stages of BM
+  float* sDelta = sLse2 + 2 * BM;
+
+  const int hkv = hq / group;
+  const BlockCoords bc = decode_block(hkv, num_n_blocks);  // bc.head is the key/value head
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = bc.block * BN, key_row0 = warp * 16;
+  const bool is_causal = causal != 0, use_vec = vec != 0;
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  float acc_dk[NT_D][4], acc_dv[NT_D][4];
+#pragma unroll
+  for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+  load_tile_swizzled<BN, HD, NTHREADS>(sK, head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head),
+                                       k_ss, n0, nk, d, use_vec);
+  load_tile_swizzled<BN, HD, NTHREADS>(sV, head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head),
+                                       v_ss, n0, nk, d, use_vec);
+
+  // The work list: every (query head of the group, query tile that sees these keys).
+  const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, is_causal);
+  const int tiles_per_head = tiles.count - tiles.first;
+  const int num_steps = group * tiles_per_head;
+  const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
+  const Strides lse_str = make_strides(lse_sb, lse_sh, lse_ss);
+  // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
+  auto load_step = [&](int step, int stage) {
+    const int head = bc.head * group + step / tiles_per_head;
+    const int m0 = (tiles.first + step % tiles_per_head) * BM;
+    load_tile_swizzled<BM, HD, NTHREADS>(sQ + stage * ROWS_BYTES, head_ptr(q, q_str, bc.batch, head),
+                                         q_ss, m0, nq, d, use_vec);
+    load_tile_swizzled<BM, HD, NTHREADS>(sdO + stage * ROWS_BYTES,
+                                         head_ptr(dout, do_str, bc.batch, head), do_ss, m0, nq, d,
+                                         use_vec);
+    cp_async_commit();
+    const float* lse_head = head_ptr(lse, lse_str, bc.batch, head);
+    const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + head) * nq;
+    for (int r = threadIdx.x; r < BM; r += NTHREADS) {
+      const int row = m0 + r;
+      float l = inf_f32(), dl = 0.f;
+      if (row < nq) {
+        l = lse_head[row * lse_ss];
+        l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
+        dl = delta_head[row];
+      }
+      sLse2[stage * BM + r] = l;
+      sDelta[stage * BM + r] = dl;
+    }
+  };
+  if (num_steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  for (int step = 0; step < num_steps; ++step) {
+    const int stage = step & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // step's tiles (and K, V) have landed; every warpgroup is done with step - 1
+    if (step + 1 < num_steps) load_step(step + 1, stage ^ 1);
+    const unsigned char* q_tile = sQ + stage * ROWS_BYTES;
+    const unsigned char* do_tile = sdO + stage * ROWS_BYTES;
+    const float* lse2 = sLse2 + stage * BM;
+    const float* dlt = sDelta + stage * BM;
+    const int mb = tiles.first + step % tiles_per_head;
+    const int m0 = mb * BM;
+    const bool masked = mb < tiles.unmasked_from;
+
+    float st[NT_Q][4], dpt[NT_Q][4];
+    wgmma_fence();
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, wg * 64, q_tile);    // S^T = K Q_i^T
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, wg * 64, do_tile);  // dP^T = V dO_i^T
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(st);
+    fence_accumulators(dpt);
+#pragma unroll
+    for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
+        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse2[qc]));
+        if (masked) {
+          const int key = n0 + key_row0 + g + ((e >> 1) << 3);
+          if (!key_visible(m0 + qc, key, nq, nk, is_causal)) p = 0.f;
+        }
+        st[nt][e] = p;                               // P^T
+        dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]);     // dS^T
+      }
+    unsigned pt[BM / 16][4], dst[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      accum_to_a_frag<Elem>(pt[kk], st[2 * kk], st[2 * kk + 1]);
+      accum_to_a_frag<Elem>(dst[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+    }
+    wgmma_fence();
+    wgmma_pb<Elem, HD, BM>(acc_dv, pt, do_tile);  // dV += P^T dO_i
+    wgmma_pb<Elem, HD, BM>(acc_dk, dst, q_tile);  // dK += dS^T Q_i
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(acc_dv);
+    fence_accumulators(acc_dk);
+    keep_fragments(pt);
+    keep_fragments(dst);
+  }
+
+  // Epilogue: dK = scale * acc_dk and dV, staged through shared memory (row pitch HD + 8).
+  cp_async_wait<0>();
+  __syncthreads();
+  unsigned short* s_dk = reinterpret_cast<unsigned short*>(smem);
+  unsigned short* s_dv = s_dk + BN * PITCH;
+  stage_accumulators<Elem, 1, NT_D, PITCH>(s_dk + key_row0 * PITCH,
+                                           reinterpret_cast<float (&)[1][NT_D][4]>(acc_dk), scale, lane);
+  stage_accumulators<Elem, 1, NT_D, PITCH>(s_dv + key_row0 * PITCH,
+                                           reinterpret_cast<float (&)[1][NT_D][4]>(acc_dv), 1.f, lane);
+  __syncthreads();
+  store_tile<BN, HD, PITCH, NTHREADS>(head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head),
+                                      s_dk, dk_ss, n0, nk, d, use_vec);
+  store_tile<BN, HD, PITCH, NTHREADS>(head_ptr(dv, make_strides(dv_sb, dv_sh, dv_ss), bc.batch, bc.head),
+                                      s_dv, dv_ss, n0, nk, d, use_vec);
+}
+
+}  // namespace cuflash
