@@ -67,7 +67,7 @@ _MMA_TILES = {
         32: (128, 64, 4),
         64: (128, 64, 4),
         96: (128, 32, 4),  # BN = 64 is 8% faster at d = 128 but spills registers
-        128: (128, 32, 4),
+        128: (64, 64, 4),  # (128, 32, 4), the sweep's pick, spills with repair.cuh
         160: (64, 64, 4),
         192: (64, 64, 4),
         224: (64, 64, 4),
@@ -81,7 +81,7 @@ _MMA_TILES = {
         160: (64, 32, 4),
         192: (64, 32, 4),
         224: (64, 32, 4),
-        256: (64, 32, 4),
+        256: (64, 16, 4),  # (64, 32, 4) spills 16 bytes with repair.cuh's check on sm_90a
     },
     "dkdv": {
         # larger query tiles (BM = 128 at d <= 64, 64 at d = 128 or 224) run 7-20% faster
@@ -245,8 +245,8 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
             # the block owns BN keys and streams BM-row query tiles
             return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, smem, bn, bm)
         bm, bn, warps = _tiles(family, dtype, hd)
-        rows = bm + 2 * bn if family == "forward" else 2 * bm + 2 * bn
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}>"
+        rows = bm + 2 * bn if family == "forward" else 2 * bm + 2 * bn
         return KernelSpec(
             family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, rows * pitch_bytes, bm, bn
         )

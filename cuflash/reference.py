@@ -44,6 +44,30 @@ def _block_mask(rows: slice, cols: slice, nq: int, nk: int, causal: bool) -> np.
     return (j <= i + (nk - nq)) if causal else np.ones((i.size, j.size), dtype=bool)
 
 
+def _masked_matmul(w: np.ndarray, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``w @ x`` summed only over the pairs ``mask`` lets meet (mask broadcasts against w).
+
+    A plain product computes 0 * NaN = NaN, so a NaN or Inf in a row of x would reach every row of
+    w, also those the mask hides it from; here it reaches exactly the rows that see it. Entries of
+    w where the mask is False are ignored whatever they hold."""
+    finite = np.isfinite(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.where(mask, w, 0.0) @ np.where(finite, x, 0.0)
+    if finite.all():
+        return out
+    seen_by = np.broadcast_to(mask, w.shape)
+    bad_rows = np.nonzero(
+        ~finite.all(axis=-1)
+    )  # (leading indices..., j): rows j of x with a NaN/Inf
+    for *lead, j in zip(*bad_rows, strict=True):
+        lead = tuple(lead)
+        nonfinite_part = np.where(finite[lead + (j,)], 0.0, x[lead + (j,)])
+        rows = seen_by[lead][:, j]
+        with np.errstate(invalid="ignore"):
+            out[lead][rows] += w[lead][rows, j][:, None] * nonfinite_part[None, :]
+    return out
+
+
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
 
@@ -161,7 +185,7 @@ def forward(
     s = np.where(mask, s, -np.inf)
     lse = _logsumexp(s)
     p = _probabilities(s, lse, mask)
-    o = p @ _expand(vb, group)
+    o = _masked_matmul(p, _expand(vb, group), mask)
     return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
 
 
@@ -184,11 +208,13 @@ def backward(
     mask = visible_mask(qb.shape[2], kb.shape[2], causal)
     p = _probabilities(scale * (qb @ ke.transpose(0, 1, 3, 2)), lseb, mask)
     delta = (dob * ob).sum(axis=-1, keepdims=True)
-    dv = p.transpose(0, 1, 3, 2) @ dob
+    mask_t = mask.T
+    dv = _masked_matmul(p.transpose(0, 1, 3, 2), dob, mask_t)
     dp = dob @ ve.transpose(0, 1, 3, 2)
-    ds = p * (dp - delta)
-    dq = scale * (ds @ ke)
-    dk = scale * (ds.transpose(0, 1, 3, 2) @ qb)
+    with np.errstate(invalid="ignore"):
+        ds = p * (dp - delta)  # entries the mask hides are ignored by _masked_matmul
+    dq = scale * _masked_matmul(ds, ke, mask)
+    dk = scale * _masked_matmul(ds.transpose(0, 1, 3, 2), qb, mask_t)
     return (
         _from_bhsd(dq, layout, two_d),
         _from_bhsd(_fold(dk, group), layout, two_d),
@@ -248,7 +274,7 @@ def forward_blockwise(
             alpha = np.exp(m - m_use)
             p = np.exp(s - m_use[..., None])
             l_ = alpha * l_ + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + p @ ve[:, :, cols]
+            acc = alpha[..., None] * acc + _masked_matmul(p, ve[:, :, cols], mask)
             m = m_new
         seen = l_ > 0
         o[:, :, rows] = np.where(seen[..., None], acc / np.where(seen, l_, 1.0)[..., None], 0.0)
@@ -300,10 +326,12 @@ def backward_blockwise(
                 rows = slice(m0, min(m0 + block_m, nq))
                 qi, doi = qb[:, heads, rows], dob[:, heads, rows]
                 p = probs(qi, kj, lse_p[:, heads, rows], rows, cols)
-                acc_dv += p.transpose(0, 1, 3, 2) @ doi
+                mask_t = _block_mask(rows, cols, nq, nk, causal).T
+                acc_dv += _masked_matmul(p.transpose(0, 1, 3, 2), doi, mask_t)
                 dp = doi @ vj.transpose(0, 1, 3, 2)
-                ds = p * (dp - delta[:, heads, rows][..., None])
-                acc_dk += ds.transpose(0, 1, 3, 2) @ qi
+                with np.errstate(invalid="ignore"):
+                    ds = p * (dp - delta[:, heads, rows][..., None])
+                acc_dk += _masked_matmul(ds.transpose(0, 1, 3, 2), qi, mask_t)
         dk[:, :, cols] = scale * acc_dk
         dv[:, :, cols] = acc_dv
 
@@ -317,8 +345,9 @@ def backward_blockwise(
             cols = slice(n0, min(n0 + block_n, nk))
             p = probs(qi, ke[:, :, cols], lse_p[:, :, rows], rows, cols)
             dp = doi @ ve[:, :, cols].transpose(0, 1, 3, 2)
-            ds = p * (dp - delta[:, :, rows][..., None])
-            acc_dq += ds @ ke[:, :, cols]
+            with np.errstate(invalid="ignore"):
+                ds = p * (dp - delta[:, :, rows][..., None])
+            acc_dq += _masked_matmul(ds, ke[:, :, cols], _block_mask(rows, cols, nq, nk, causal))
         dq[:, :, rows] = scale * acc_dq
     return (
         _from_bhsd(dq, layout, two_d),

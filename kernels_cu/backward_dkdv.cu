@@ -14,6 +14,7 @@
 #include "tile.cuh"
 #include "mask.cuh"
 #include "gemm.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -149,12 +150,13 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
   // The work list: every (query head of the group, query tile that sees these keys).
   const QueryTiles tiles = query_tiles_for_keys(blk.n0, BN, BM, nq, nk, blk.causal);
   const int tiles_per_head = tiles.count - tiles.first;
-  const int num_steps = group * tiles_per_head;
+  const int num_steps = group * tiles_per_head, masked_steps = masked_query_steps(tiles, group);
   const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
   const Strides lse_str = make_strides(lse_sb, lse_sh, lse_ss);
   auto load_step = [&](int step) {
-    const int head = bc.head * group + step / tiles_per_head;
-    const int m0 = (tiles.first + step % tiles_per_head) * BM;
+    const QueryStep at = query_step_at(step, tiles, group);
+    const int head = bc.head * group + at.head;
+    const int m0 = at.tile * BM;
     blk.load_query_tile(head_ptr(q, q_str, bc.batch, head), q_ss,
                         head_ptr(dout, do_str, bc.batch, head), do_ss,
                         head_ptr(lse, lse_str, bc.batch, head), lse_ss,
@@ -163,6 +165,9 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
   if (num_steps > 0) load_step(0);
   cp_async_commit();
 
+  // Masked tiles first; rows that they made non-finite are flagged and recomputed at the end
+  // (repair.cuh).
+  unsigned repair = 0;
   for (int step = 0; step < num_steps; ++step) {
     cp_async_wait<0>();
     __syncthreads();  // Q_i, dO_i, lse_i, D_i (and K, V on the first step) are in shared memory
@@ -172,8 +177,8 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
         load_a_frags<1, Tr::K_HD, PITCH>(blk.v_frag, blk.sV, lane);
       }
     }
-    const int mb = tiles.first + step % tiles_per_head;
-    if (mb < tiles.unmasked_from)
+    const int mb = query_step_at(step, tiles, group).tile;
+    if (step < masked_steps)
       blk.template process_query_tile<true>(mb * BM);
     else
       blk.template process_query_tile<false>(mb * BM);
@@ -181,6 +186,7 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
       __syncthreads();  // every warp is done with Q_i, dO_i, lse_i, D_i
       load_step(step + 1);
     }
+    if (step == masked_steps - 1) repair = nonfinite_rows(blk.acc_dk[0], blk.acc_dv[0]);
   }
 
   // Epilogue: dK = scale * acc_dk and dV, staged through the K and V tiles.
@@ -190,6 +196,16 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
                                                 scale, lane);
   stage_accumulators<Elem, 1, Tr::NT_DW, PITCH>(sV + blk.key_row0 * PITCH + blk.col0, blk.acc_dv,
                                                 1.f, lane);
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
+    recompute_dkdv_rows<Elem, HD, Tr::HD_WARP>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
+                                               PITCH, repair, scale, blk.scale_log2, qs,
+                                               bc.head * group, group, HeadRows{k_head, k_ss},
+                                               HeadRows{v_head, v_ss}, blk.n0 + blk.key_row0,
+                                               blk.col0, tiles.first * BM, nq, nk, d, blk.causal,
+                                               lane);
+  }
   __syncthreads();
   store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head),
                                           sK, dk_ss, blk.n0, nk, d, blk.vec);

@@ -11,6 +11,7 @@
 #include "tile.cuh"
 #include "mask.cuh"
 #include "gemm.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -69,12 +70,13 @@ struct DqBlock {
         }
   }
 
+  // Key tile j (already in flight); j_next is the tile visited next (-1 after the last).
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int num_tiles) {
+  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first) {
     cp_async_wait<0>();
     __syncthreads();  // K_j and V_j have landed
     if constexpr (FR) {
-      if (j == 0) {
+      if (first) {
         load_a_frags<MT, Tr::K_HD, PITCH>(q_frag, sQ, lane);
         load_a_frags<MT, Tr::K_HD, PITCH>(do_frag, sdO, lane);
       }
@@ -97,9 +99,9 @@ struct DqBlock {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - delta[mt][e >> 1]);
     gemm_pb<Elem, MT, Tr::NT_D, Tr::K_BN, PITCH>(acc_dq, dp, sK, lane);  // dQ += dS K_j
-    if (j + 1 < num_tiles) {
+    if (j_next >= 0) {
       __syncthreads();  // every warp is done with K_j and V_j
-      const int n1 = (j + 1) * Tr::BN;
+      const int n1 = j_next * Tr::BN;
       load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, n1, nk, d, vec);
       load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, n1, nk, d, vec);
       cp_async_commit();
@@ -171,19 +173,38 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO, do_head, do_ss, blk.m0, nq, d, blk.vec);
   if (tiles.count > 0) {
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, 0, nk, d, blk.vec);
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_head, v_ss, 0, nk, d, blk.vec);
+    const int first = key_tile_at(0, tiles) * BN;
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, first, nk, d, blk.vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_head, v_ss, first, nk, d, blk.vec);
   }
   cp_async_commit();
 
-  int j = 0;
-  for (; j < tiles.full; ++j) blk.template process_key_tile<false>(j, tiles.count);
-  for (; j < tiles.count; ++j) blk.template process_key_tile<true>(j, tiles.count);
+  // Masked tiles first (mask.cuh, key_tile_at), then the unmasked ones. Rows that the masked
+  // tiles made non-finite are flagged and recomputed at the end (repair.cuh).
+  const int masked = tiles.count - tiles.full;
+  int it = 0;
+  for (; it < masked; ++it)
+    blk.template process_key_tile<true>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+  // The flags wait in the padding columns of this lane's row g of the Q tile (repair.cuh).
+  unsigned* flag_slot = reinterpret_cast<unsigned*>(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH + HD) + (lane & 3);
+  if (masked > 0) park_flags(flag_slot, true, nonfinite_rows(blk.acc_dq));
+  for (; it < tiles.count; ++it)
+    blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+  const unsigned repair = unpark_flags(flag_slot, masked > 0);
 
   // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
   cp_async_wait<0>();
   __syncthreads();
-  stage_accumulators<Elem, MT, Tr::NT_D, PITCH>(sQ + blk.warp_row0 * PITCH, blk.acc_dq, scale, lane);
+  unsigned short* stage = sQ + blk.warp_row0 * PITCH;
+  stage_accumulators<Elem, MT, Tr::NT_D, PITCH>(stage, blk.acc_dq, scale, lane);
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    recompute_dq_rows<Elem, HD, MT>(stage, PITCH, repair, scale, blk.scale_log2, HeadRows{q_head, q_ss},
+                                    HeadRows{do_head, do_ss}, HeadRows{blk.k_head, k_ss},
+                                    HeadRows{blk.v_head, v_ss}, lse_head, lse_ss, delta_head,
+                                    blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk, d,
+                                    blk.causal, lane);
+  }
   __syncthreads();
   unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
   store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, dq_ss, blk.m0, nq, d, blk.vec);

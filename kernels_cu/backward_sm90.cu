@@ -16,6 +16,7 @@
 #include "mask.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -107,29 +108,34 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
   const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
   const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
   const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-  load_tile_swizzled<BM, HD, NTHREADS>(sQ, head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head),
-                                       q_ss, m0, nq, d, use_vec);
-  load_tile_swizzled<BM, HD, NTHREADS>(
-      sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head), do_ss, m0, nq, d,
-      use_vec);
+  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
+  const unsigned short* do_head = head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head);
+  load_tile_swizzled<BM, HD, NTHREADS>(sQ, q_head, q_ss, m0, nq, d, use_vec);
+  load_tile_swizzled<BM, HD, NTHREADS>(sdO, do_head, do_ss, m0, nq, d, use_vec);
   if (tiles.count > 0) {
-    load_tile_swizzled<BN, HD, NTHREADS>(sK, k_head, k_ss, 0, nk, d, use_vec);
-    load_tile_swizzled<BN, HD, NTHREADS>(sV, v_head, v_ss, 0, nk, d, use_vec);
+    const int first = key_tile_at(0, tiles) * BN;
+    load_tile_swizzled<BN, HD, NTHREADS>(sK, k_head, k_ss, first, nk, d, use_vec);
+    load_tile_swizzled<BN, HD, NTHREADS>(sV, v_head, v_ss, first, nk, d, use_vec);
   }
   cp_async_commit();
 
-  for (int j = 0; j < tiles.count; ++j) {
+  // Masked tiles first (mask.cuh, key_tile_at), then the unmasked ones. Rows that the masked
+  // tiles made non-finite are flagged and recomputed at the end (repair.cuh).
+  const int masked_tiles = tiles.count - tiles.full;
+  unsigned repair = 0;
+  for (int it = 0; it < tiles.count; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile j has landed; every warpgroup is done with tile j - 1
-    if (j + 1 < tiles.count) {
-      const int next = ((j + 1) & 1) * KV_BYTES;
-      load_tile_swizzled<BN, HD, NTHREADS>(sK + next, k_head, k_ss, (j + 1) * BN, nk, d, use_vec);
-      load_tile_swizzled<BN, HD, NTHREADS>(sV + next, v_head, v_ss, (j + 1) * BN, nk, d, use_vec);
+    __syncthreads();  // this tile has landed; every warpgroup is done with the last one
+    const int j = key_tile_at(it, tiles), j_next = key_tile_at(it + 1, tiles);
+    if (j_next >= 0) {
+      const int next = ((it + 1) & 1) * KV_BYTES;
+      load_tile_swizzled<BN, HD, NTHREADS>(sK + next, k_head, k_ss, j_next * BN, nk, d, use_vec);
+      load_tile_swizzled<BN, HD, NTHREADS>(sV + next, v_head, v_ss, j_next * BN, nk, d, use_vec);
       cp_async_commit();
     }
-    const unsigned char* k_tile = sK + (j & 1) * KV_BYTES;
-    const unsigned char* v_tile = sV + (j & 1) * KV_BYTES;
+    const unsigned char* k_tile = sK + (it & 1) * KV_BYTES;
+    const unsigned char* v_tile = sV + (it & 1) * KV_BYTES;
     float s[NT_S][4], dp[NT_S][4];
     wgmma_fence();
     wgmma_abt_head_dim<Elem, HD, BM, BN>(s, sQ, wg * 64, k_tile);    // S = Q K_j^T
@@ -138,7 +144,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
     wgmma_wait<0>();
     fence_accumulators(s);
     fence_accumulators(dp);
-    const bool masked = j >= tiles.full;
+    const bool masked = it < masked_tiles;
     unsigned ds[BN / 16][4];
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
@@ -160,6 +166,8 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
     wgmma_wait<0>();
     fence_accumulators(acc_dq);
     keep_fragments(ds);
+    if (it == masked_tiles - 1)
+      repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(acc_dq));
   }
 
   // Epilogue: dQ = scale * acc, staged through shared memory (row pitch HD + 8).
@@ -168,6 +176,14 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem);
   float (&acc)[1][NT_D][4] = reinterpret_cast<float (&)[1][NT_D][4]>(acc_dq);
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_out + warp_row0 * PITCH, acc, scale, lane);
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, repair, scale, scale_log2,
+                                   HeadRows{q_head, q_ss}, HeadRows{do_head, do_ss},
+                                   HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, lse_head, lse_ss,
+                                   delta_head, m0 + warp_row0, min(tiles.count * BN, nk), nq, nk, d,
+                                   is_causal, lane);
+  }
   __syncthreads();
   unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
   store_tile<BM, HD, PITCH, NTHREADS>(dq_head, s_out, dq_ss, m0, nq, d, use_vec);
@@ -213,21 +229,23 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
-  load_tile_swizzled<BN, HD, NTHREADS>(sK, head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head),
-                                       k_ss, n0, nk, d, use_vec);
-  load_tile_swizzled<BN, HD, NTHREADS>(sV, head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head),
-                                       v_ss, n0, nk, d, use_vec);
+  const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head);
+  const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head);
+  load_tile_swizzled<BN, HD, NTHREADS>(sK, k_head, k_ss, n0, nk, d, use_vec);
+  load_tile_swizzled<BN, HD, NTHREADS>(sV, v_head, v_ss, n0, nk, d, use_vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
   const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, is_causal);
   const int tiles_per_head = tiles.count - tiles.first;
-  const int num_steps = group * tiles_per_head;
+  const int num_steps = group * tiles_per_head, masked_steps = masked_query_steps(tiles, group);
   const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
   const Strides lse_str = make_strides(lse_sb, lse_sh, lse_ss);
   // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
+  // Masked tiles of every head come first (mask.cuh, query_step_at).
   auto load_step = [&](int step, int stage) {
-    const int head = bc.head * group + step / tiles_per_head;
-    const int m0 = (tiles.first + step % tiles_per_head) * BM;
+    const QueryStep at = query_step_at(step, tiles, group);
+    const int head = bc.head * group + at.head;
+    const int m0 = at.tile * BM;
     load_tile_swizzled<BM, HD, NTHREADS>(sQ + stage * ROWS_BYTES, head_ptr(q, q_str, bc.batch, head),
                                          q_ss, m0, nq, d, use_vec);
     load_tile_swizzled<BM, HD, NTHREADS>(sdO + stage * ROWS_BYTES,
@@ -251,6 +269,10 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
   if (num_steps > 0) load_step(0, 0);
   cp_async_commit();
 
+  // Masked tiles first; rows that they made non-finite are flagged and recomputed at the end
+  // (repair.cuh).
+  unsigned repair = 0;
+
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step & 1;
     cp_async_wait<0>();
@@ -261,9 +283,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
     const unsigned char* do_tile = sdO + stage * ROWS_BYTES;
     const float* lse2 = sLse2 + stage * BM;
     const float* dlt = sDelta + stage * BM;
-    const int mb = tiles.first + step % tiles_per_head;
-    const int m0 = mb * BM;
-    const bool masked = mb < tiles.unmasked_from;
+    const int m0 = query_step_at(step, tiles, group).tile * BM;
+    const bool masked = step < masked_steps;
 
     float st[NT_Q][4], dpt[NT_Q][4];
     wgmma_fence();
@@ -301,6 +322,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
     fence_accumulators(acc_dk);
     keep_fragments(pt);
     keep_fragments(dst);
+    if (step == masked_steps - 1) repair = nonfinite_rows(acc_dk, acc_dv);
   }
 
   // Epilogue: dK = scale * acc_dk and dV, staged through shared memory (row pitch HD + 8).
@@ -312,6 +334,14 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
                                            reinterpret_cast<float (&)[1][NT_D][4]>(acc_dk), scale, lane);
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_dv + key_row0 * PITCH,
                                            reinterpret_cast<float (&)[1][NT_D][4]>(acc_dv), 1.f, lane);
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
+    recompute_dkdv_rows<Elem, HD, HD>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, repair,
+                                      scale, scale_log2, qs, bc.head * group, group,
+                                      HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, n0 + key_row0,
+                                      0, tiles.first * BM, nq, nk, d, is_causal, lane);
+  }
   __syncthreads();
   store_tile<BN, HD, PITCH, NTHREADS>(head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head),
                                       s_dk, dk_ss, n0, nk, d, use_vec);

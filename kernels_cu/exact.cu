@@ -42,17 +42,22 @@ __device__ __forceinline__ Acc row_dot(const T* a, const T* b) {
   return s;
 }
 
-// acc[i] += sum_r w_r * tile[r][c + TPR * i], where w_r is held by thread r % TPR of this row's
-// group as w[r / TPR]: the "P V"-shaped product of the exact path. Both loops are unrolled so
+// acc[i] += sum_r w_r * tile[r][c + TPR * i] over the rows r the mask lets this row see, where
+// w_r and bit r / TPR of `visible` are held by thread r % TPR of this row's group: the "P V"-shaped
+// product of the exact path. Invisible pairs are skipped, not multiplied by 0, so a NaN or Inf in a
+// tile row reaches only the rows that see it (0 * NaN would be NaN). Both loops are unrolled so
 // that w is indexed by constants only (a run-time index would move it to local memory).
 template <int ROWS, int HD, int TPR, int PITCH, typename T>
 __device__ __forceinline__ void accumulate_rows(Acc (&acc)[HD / TPR], const Acc (&w)[ROWS / TPR],
-                                                const T* tile, int c) {
+                                                unsigned visible, const T* tile, int c) {
+  static_assert(ROWS / TPR <= 32, "one visibility bit per weight");
 #pragma unroll
-  for (int jj = 0; jj < ROWS / TPR; ++jj) {
+  for (int owner = 0; owner < TPR; ++owner) {
+    const unsigned owner_visible = __shfl_sync(0xffffffffu, visible, owner, TPR);
 #pragma unroll
-    for (int owner = 0; owner < TPR; ++owner) {
+    for (int jj = 0; jj < ROWS / TPR; ++jj) {
       const Acc wr = __shfl_sync(0xffffffffu, w[jj], owner, TPR);
+      if (!((owner_visible >> jj) & 1)) continue;
       const T* tile_row = tile + (owner + TPR * jj) * PITCH + c;
 #pragma unroll
       for (int i = 0; i < HD / TPR; ++i) acc[i] = fma(wr, Acc(tile_row[TPR * i]), acc[i]);
@@ -94,12 +99,13 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
     __syncthreads();
     Acc s[KPT];
     Acc mx = -inf_f64();
+    unsigned visible = 0;
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // S = scale Q K^T, -inf where invisible
       const int key = c + TPR * jj;
-      s[jj] = key_visible(row, n0 + key, nq, nk, causal != 0)
-                  ? scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH)
-                  : -inf_f64();
+      const bool vis = key_visible(row, n0 + key, nq, nk, causal != 0);
+      visible |= unsigned(vis) << jj;
+      s[jj] = vis ? scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) : -inf_f64();
       mx = fmax(mx, s[jj]);
     }
     const Acc m_new = fmax(m, group_max<TPR>(mx));
@@ -115,7 +121,7 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
     m = m_new;
 #pragma unroll
     for (int i = 0; i < DPT; ++i) acc[i] *= alpha;
-    accumulate_rows<BN, HD, TPR, PITCH>(acc, s, sV, c);  // O += P V
+    accumulate_rows<BN, HD, TPR, PITCH>(acc, s, visible, sV, c);  // O += P V
   }
 
   l = group_sum<TPR>(l);
@@ -186,17 +192,19 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
     }
     __syncthreads();
     Acc p[QPT], ds[QPT];
+    unsigned visible = 0;  // padded query rows count as invisible
 #pragma unroll
     for (int jj = 0; jj < QPT; ++jj) {  // P^T and dS^T for this key and queries c + TPR jj
       const int qi = c + TPR * jj;
-      Acc pij = exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]);
-      if (!key_visible(m0 + qi, key, nq, nk, causal != 0)) pij = 0.0;
+      const bool vis = m0 + qi < nq && key_visible(m0 + qi, key, nq, nk, causal != 0);
+      visible |= unsigned(vis) << jj;
+      const Acc pij = vis ? exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]) : 0.0;
       const Acc dpij = row_dot<HD>(sV + r * PITCH, sdO + qi * PITCH);
       p[jj] = pij;
       ds[jj] = pij * (dpij - sDelta[qi]);
     }
-    accumulate_rows<BM, HD, TPR, PITCH>(acc_dv, p, sdO, c);  // dV += P^T dO
-    accumulate_rows<BM, HD, TPR, PITCH>(acc_dk, ds, sQ, c);  // dK += dS^T Q
+    accumulate_rows<BM, HD, TPR, PITCH>(acc_dv, p, visible, sdO, c);  // dV += P^T dO
+    accumulate_rows<BM, HD, TPR, PITCH>(acc_dk, ds, visible, sQ, c);  // dK += dS^T Q
   }
 
   if (key < nk) {
@@ -255,14 +263,16 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
     load_tile<BN, HD, PITCH, NTHREADS>(sV, v_head, v_ss, n0, nk, d, false);
     __syncthreads();
     Acc ds[KPT];
+    unsigned visible = 0;
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // dS = P * (dP - D) for this query and keys c + TPR jj
       const int key = c + TPR * jj;
-      Acc p = exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row);
-      if (!key_visible(row, n0 + key, nq, nk, causal != 0)) p = 0.0;
+      const bool vis = key_visible(row, n0 + key, nq, nk, causal != 0);
+      visible |= unsigned(vis) << jj;
+      const Acc p = vis ? exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row) : 0.0;
       ds[jj] = p * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row);
     }
-    accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, sK, c);  // dQ += dS K
+    accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, visible, sK, c);  // dQ += dS K
   }
   if (row < nq) {
     T* dq_row = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head) + row * dq_ss;

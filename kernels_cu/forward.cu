@@ -11,6 +11,7 @@
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "gemm.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -72,15 +73,16 @@ struct ForwardBlock {
         }
   }
 
-  // One key/value tile: the loop body of the forward pass. K_j is already in flight.
+  // One key/value tile: the loop body of the forward pass. K_j is already in flight; j_next is
+  // the tile visited next (-1 after the last), `first` marks the first visit.
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int num_tiles) {
+  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first) {
     cp_async_wait<0>();
-    __syncthreads();  // K_j (and Q, on the first tile) have landed; V_{j-1} is no longer read
+    __syncthreads();  // K_j (and Q, on the first tile) have landed; the previous V is no longer read
     load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, j * Tr::BN, nk, d, vec);
     cp_async_commit();
     if constexpr (Tr::Q_IN_REGS) {
-      if (j == 0) load_a_frags<MT, Tr::K_QK, PITCH>(q_frag, sQ, lane);
+      if (first) load_a_frags<MT, Tr::K_QK, PITCH>(q_frag, sQ, lane);
     }
     float s[MT][NT_S][4];
     scores_tile(s);
@@ -88,8 +90,8 @@ struct ForwardBlock {
     softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised)
     cp_async_wait<0>();
     __syncthreads();  // V_j has landed; every warp is done with K_j
-    if (j + 1 < num_tiles) {
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, (j + 1) * Tr::BN,
+    if (j_next >= 0) {
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, j_next * Tr::BN,
                                                     nk, d, vec);
       cp_async_commit();
     }
@@ -142,13 +144,23 @@ __global__ void __launch_bounds__(NWARPS * 32)
   const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
   if (tiles.count > 0)
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, 0, nk, d, blk.vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, key_tile_at(0, tiles) * BN,
+                                           nk, d, blk.vec);
   cp_async_commit();
 
-  // Unmasked tiles first, then the few that straddle the diagonal or the end of the keys.
-  int j = 0;
-  for (; j < tiles.full; ++j) blk.template process_key_tile<false>(j, tiles.count);
-  for (; j < tiles.count; ++j) blk.template process_key_tile<true>(j, tiles.count);
+  // The few tiles that straddle the diagonal or the end of the keys first, then the unmasked ones.
+  // Rows that the masked tiles made non-finite are flagged and recomputed at the end (repair.cuh):
+  // a NaN or Inf in v must not reach the rows that do not see it.
+  const int masked = tiles.count - tiles.full;
+  int it = 0;
+  for (; it < masked; ++it)
+    blk.template process_key_tile<true>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+  float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
+                     blk.warp_row0 + (lane >> 2);
+  const bool real_row_g = blk.m0 + blk.warp_row0 + (lane >> 2) < nq;
+  if (masked > 0) park_flags(lse_row_g, (lane & 3) == 0 && real_row_g, nonfinite_rows(blk.acc_o));
+  for (; it < tiles.count; ++it)
+    blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
 
   // Epilogue: normalise once, stage O through shared memory, store with wide writes.
   float lse_rows[MT][2];
@@ -156,6 +168,14 @@ __global__ void __launch_bounds__(NWARPS * 32)
   cp_async_wait<0>();
   __syncthreads();  // no copy into sQ is in flight and no warp still reads it
   stage_accumulators<Elem, MT, Tr::NT_O, PITCH>(blk.sQ, blk.acc_o, 1.f, lane);
+  const unsigned repair = masked > 0 ? unpark_flags(lse_row_g, (lane & 3) == 0 && real_row_g) : 0u;
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, repair, lse_rows, blk.scale_log2,
+                                         HeadRows{q_head, q_ss}, HeadRows{blk.k_head, k_ss},
+                                         HeadRows{blk.v_head, v_ss}, blk.m0 + blk.warp_row0,
+                                         min(tiles.count * BN, nk), nq, nk, d, blk.causal, lane);
+  }
   __syncthreads();
   unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
   store_tile<BM, HD, PITCH, Tr::NTHREADS>(o_head, sQ, o_ss, blk.m0, nq, d, blk.vec);

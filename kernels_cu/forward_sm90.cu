@@ -15,6 +15,7 @@
 #include "softmax.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -53,10 +54,11 @@ struct Sm90ForwardBlock {
       }
   }
 
+  // Key tile j, which sits in pipeline stage `stage`.
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j) {
-    const unsigned char* k_tile = sK + (j & 1) * Tr::KV_BYTES;
-    const unsigned char* v_tile = sV + (j & 1) * Tr::KV_BYTES;
+  __device__ __forceinline__ void process_key_tile(int j, int stage) {
+    const unsigned char* k_tile = sK + stage * Tr::KV_BYTES;
+    const unsigned char* v_tile = sV + stage * Tr::KV_BYTES;
     // S = Q K_j^T: k16 step kk reads 32 bytes of every row, in column block kk / 4.
     float s[1][Tr::NT_S][4];
     wgmma_fence();
@@ -131,27 +133,37 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
   load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, q_head, q_ss, blk.m0, nq, d, use_vec);
   if (tiles.count > 0) {
-    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, k_ss, 0, nk, d, use_vec);
+    const int first = key_tile_at(0, tiles) * BN;
+    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, k_ss, first, nk, d, use_vec);
     load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES + 2 * Tr::KV_BYTES, v_head, v_ss,
-                                             0, nk, d, use_vec);
+                                             first, nk, d, use_vec);
   }
   cp_async_commit();
 
-  for (int j = 0; j < tiles.count; ++j) {
+  // The tiles that straddle the diagonal or the end of the keys first (mask.cuh, key_tile_at).
+  // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
+  const int masked = tiles.count - tiles.full;
+  float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
+                     blk.warp_row0 + (blk.lane >> 2);
+  const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < nq;
+  for (int it = 0; it < tiles.count; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile j has landed everywhere; every warpgroup is done with tile j - 1
-    if (j + 1 < tiles.count) {
-      unsigned char* k_next = smem + Tr::Q_BYTES + ((j + 1) & 1) * Tr::KV_BYTES;
-      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, k_ss, (j + 1) * BN, nk, d, use_vec);
-      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next + 2 * Tr::KV_BYTES, v_head, v_ss,
-                                               (j + 1) * BN, nk, d, use_vec);
+    __syncthreads();  // this tile has landed everywhere; every warpgroup is done with the last one
+    const int next = key_tile_at(it + 1, tiles);
+    if (next >= 0) {
+      unsigned char* k_next = smem + Tr::Q_BYTES + ((it + 1) & 1) * Tr::KV_BYTES;
+      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, k_ss, next * BN, nk, d, use_vec);
+      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next + 2 * Tr::KV_BYTES, v_head, v_ss, next * BN,
+                                               nk, d, use_vec);
       cp_async_commit();
     }
-    if (j < tiles.full)
-      blk.template process_key_tile<false>(j);
-    else
-      blk.template process_key_tile<true>(j);
+    if (it < masked) {
+      blk.template process_key_tile<true>(key_tile_at(it, tiles), it & 1);
+      if (it == masked - 1) park_flags(lse_row_g, (blk.lane & 3) == 0 && real_row_g, nonfinite_rows(blk.acc_o));
+    } else {
+      blk.template process_key_tile<false>(key_tile_at(it, tiles), it & 1);
+    }
   }
 
   // Epilogue: normalise once, stage O through shared memory (row pitch HD + 8), wide stores.
@@ -162,6 +174,15 @@ __global__ void __launch_bounds__(BM * 2, 1)
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem);
   stage_accumulators<Elem, 1, Tr::NT_O, Tr::PITCH>(s_out + blk.warp_row0 * Tr::PITCH, blk.acc_o,
                                                      1.f, blk.lane);
+  const unsigned repair = masked > 0 ? unpark_flags(lse_row_g, (blk.lane & 3) == 0 && real_row_g) : 0u;
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+    __syncwarp();
+    recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, repair,
+                                        lse_rows, blk.scale_log2, HeadRows{q_head, q_ss},
+                                        HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss},
+                                        blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk,
+                                        d, blk.causal, blk.lane);
+  }
   __syncthreads();
   unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
   store_tile<BM, HD, Tr::PITCH, Tr::NTHREADS>(o_head, s_out, o_ss, blk.m0, nq, d, use_vec);

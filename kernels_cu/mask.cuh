@@ -31,6 +31,11 @@ __device__ __forceinline__ KeyTiles key_tiles_for_queries(int m0, int bm, int bn
   return t;
 }
 
+// The kernels visit the key tiles from the last to the first, so that the masked ones come first,
+// from zero accumulators (repair.cuh needs their contribution alone): visit `it` of [0, count) ->
+// key tile index, or -1 past the end.
+__device__ __forceinline__ int key_tile_at(int it, const KeyTiles& t) { return t.count - 1 - it; }
+
 // Query tiles for the keys [n0, n0 + bn): tiles [first, unmasked_from) need the causal mask,
 // tiles [unmasked_from, count) do not. Padded query rows (>= nq) are neutralised through their
 // lse (+inf, so P = 0) and their zero dO, not through the mask.
@@ -53,6 +58,30 @@ __device__ __forceinline__ QueryTiles query_tiles_for_keys(int n0, int bn, int b
   t.first = min(t.count, first_seeing / bm);
   t.unmasked_from = min(t.count, max(t.first, ceil_div(first_seeing_all, bm)));
   return t;
+}
+
+// The dK/dV kernels' work list: (query head of the group, query tile), with the masked tiles of
+// every head first (see key_tile_at). Steps [0, masked_steps) are masked.
+struct QueryStep {
+  int head, tile;
+};
+
+__device__ __forceinline__ int masked_query_steps(const QueryTiles& t, int group) {
+  return group * (t.unmasked_from - t.first);
+}
+
+__device__ __forceinline__ QueryStep query_step_at(int step, const QueryTiles& t, int group) {
+  const int masked = t.unmasked_from - t.first, unmasked = t.count - t.unmasked_from;
+  QueryStep s;
+  if (step < group * masked) {
+    s.head = step / masked;
+    s.tile = t.first + (step - s.head * masked);
+  } else {
+    const int u = step - group * masked;
+    s.head = u / unmasked;
+    s.tile = t.unmasked_from + (u - s.head * unmasked);
+  }
+  return s;
 }
 
 }  // namespace cuflash

@@ -547,3 +547,56 @@ def test_make_inputs_score_range(score_range, d, scale):
     assert 0.8 < np.std(s) / (score_range / 3) < 1.25
     assert 0.5 * score_range < np.abs(s).max() < 3 * score_range
     assert math.isclose(problem.scale_value, 1 / math.sqrt(d) if scale is None else scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs reach exactly the outputs that depend on them
+
+
+def _rows_seeing(key: int, nq: int, nk: int) -> np.ndarray:
+    return reference.visible_mask(nq, nk, True)[:, key]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("where", ["v", "do"])
+def test_nonfinite_value_reaches_only_what_depends_on_it(where, value):
+    rng = np.random.default_rng(7)
+    nq, nk, d, bad = 37, 45, 8, 20  # Nq != Nk: the causal mask is aligned bottom-right
+    q = rng.standard_normal((1, nq, 2, d))
+    k, v = (rng.standard_normal((1, nk, 2, d)) for _ in range(2))
+    do = rng.standard_normal((1, nq, 2, d))
+    clean_o, clean_lse = reference.forward(q, k, v, causal=True)
+    clean_grads = reference.backward(do, q, k, v, clean_o, clean_lse, causal=True)
+    v2, do2 = v.copy(), do.copy()
+    (v2 if where == "v" else do2)[0, bad, 1, 3] = value
+    o, lse = reference.forward(q, k, v2, causal=True)
+    dq, dk, dv = reference.backward(do2, q, k, v2, o, lse, causal=True)
+    for blockwise in (False, True):
+        if blockwise:
+            o_b, lse_b = reference.forward_blockwise(q, k, v2, causal=True, block_m=16, block_n=16)
+            grads_b = reference.backward_blockwise(
+                do2, q, k, v2, o_b, lse_b, causal=True, block_m=16, block_n=16
+            )
+            np.testing.assert_array_equal(np.isfinite(o_b), np.isfinite(o))
+            for g_b, g in zip(grads_b, (dq, dk, dv), strict=True):
+                np.testing.assert_array_equal(np.isfinite(g_b), np.isfinite(g))
+    vis = reference.visible_mask(nq, nk, True)
+    if where == "v":  # o rows that see key `bad`; dq of those rows; dk of the keys they see
+        o_rows = vis[:, bad]
+        dq_rows = o_rows
+        dk_rows = vis[o_rows].any(axis=0)
+        dv_rows = np.zeros(nk, dtype=bool)
+    else:  # dO of query row `bad`: its dq, and dk, dv of the keys it sees
+        o_rows = np.zeros(nq, dtype=bool)
+        dq_rows = np.arange(nq) == bad
+        dk_rows = dv_rows = vis[bad]
+    for got, clean, rows in (
+        (o, clean_o, o_rows),
+        (dq, clean_grads[0], dq_rows),
+        (dk, clean_grads[1], dk_rows),
+        (dv, clean_grads[2], dv_rows),
+    ):
+        assert not np.isfinite(got[0, rows, 1]).all(axis=-1).any()  # every dependent row
+        np.testing.assert_array_equal(got[0, ~rows, 1], clean[0, ~rows, 1])  # the rest: exact
+        np.testing.assert_array_equal(got[0, :, 0], clean[0, :, 0])  # the other head
+    np.testing.assert_array_equal(lse, clean_lse)

@@ -177,6 +177,46 @@ def test_nan_in_an_input_row_reaches_only_the_rows_it_touches(dtype, causal, whe
         assert torch.equal(lse[0, h, ~rows], clean_lse[0, h, ~rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    "where,value", [("v", float("nan")), ("v", float("inf")), ("do", float("nan"))]
+)
+def test_nonfinite_v_or_do_reaches_only_what_depends_on_it(dtype, d, where, value):
+    # The bad element sits inside a tile on the causal diagonal, where rows that do not see it
+    # meet it with P = 0 (or dS = 0) in the tensor-core products (kernels_cu/repair.cuh).
+    from cuflash import reference
+
+    n, bad = 300, 150
+    q, k, v, do = (rand(1, n, 2, d, dtype=dtype, seed=s) for s in (40, 41, 42, 43))
+    clean_o, clean_lse = cuflash.attention_forward(q, k, v, causal=True)
+    clean = (clean_o, *cuflash.attention_backward(do, q, k, v, clean_o, clean_lse, causal=True))
+    v2, do2 = v.clone(), do.clone()
+    (v2 if where == "v" else do2)[0, bad, 1, 3] = value
+    o, lse = cuflash.attention_forward(q, k, v2, causal=True)
+    got = (o, *cuflash.attention_backward(do2, q, k, v2, o, lse, causal=True))
+    assert torch.equal(lse, clean_lse)
+
+    def f64(x):
+        return x.double().cpu().numpy()
+
+    def reference_outputs(v, do):
+        o, lse = reference.forward(f64(q), f64(k), f64(v), causal=True)
+        return (o, *reference.backward(f64(do), f64(q), f64(k), f64(v), o, lse, causal=True))
+
+    want, want_clean = reference_outputs(v2, do2), reference_outputs(v, do)
+    for name, g, w, c, wc in zip(
+        ("o", "dq", "dk", "dv"), got, want, clean, want_clean, strict=True
+    ):
+        g = f64(g)
+        finite = np.isfinite(w)
+        assert (~finite).any() == (name != ("dv" if where == "v" else "o")), name
+        np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=name)
+        # Where the value does not depend on the bad element, it is as accurate as without it.
+        own_error = np.abs(f64(c) - wc).max()
+        assert np.abs(g[finite] - w[finite]).max() <= 2 * own_error + 1e-6, name
+
+
 # ---------------------------------------------------------------------------------------------
 # Scale
 

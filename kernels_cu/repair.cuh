@@ -1,0 +1,295 @@
+// repair.cuh: exact recomputation of the rows that a masked tile made non-finite.
+//
+// On a tile that straddles the causal diagonal, a query i and a key j that i may not see still meet
+// in the tensor-core products, with P_ij = 0 (or dS_ij = 0). If the other operand of that product
+// (v_j, dO_i, q_i or k_j) is NaN or Inf, 0 * NaN = NaN reaches an output that must not depend on
+// it. A finite accumulator element cannot have been touched this way (0 times a finite value is 0),
+// so the kernels visit the masked tiles first and then:
+//   1. nonfinite_rows: flag every accumulator row that holds a non-finite value (a bit per row);
+//   2. run the unmasked tiles as usual;
+//   3. recompute_*_rows, in the epilogue once the accumulators are staged in shared memory: each
+//      flagged row is recomputed whole by scalar code from global memory, skipping the invisible
+//      pairs, and written over its staged row.
+// With finite inputs this costs one finiteness check per accumulator element per block. Only rows
+// that meet a non-finite value in a masked tile are flagged (about one tile of rows per
+// non-finite input element), and rows that are not flagged are bitwise what the tensor cores
+// computed. Step 3 runs where the accumulators are dead, so that the main loop keeps its
+// registers.
+//
+// Fragment layout (mma.cuh, also the wgmma accumulator of each warp): for a 16-row tile, lane
+// (g = lane / 4, t = lane % 4) holds rows g (r = 0) and g + 8 (r = 1) and, of every n8 tile nt,
+// columns 8 nt + 2 t + {0, 1}, as acc[nt][2 r + {0, 1}]. Row flag bits are 2 mt + r.
+#pragma once
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ bool is_finite_f32(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+template <int NT>
+__device__ __forceinline__ bool row_has_nonfinite(const float (&acc)[NT][4], int r) {
+  bool bad = false;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) bad |= !is_finite_f32(acc[nt][2 * r]) | !is_finite_f32(acc[nt][2 * r + 1]);
+  return bad;
+}
+
+// A row is shared by the 4 lanes of a quad: it is flagged when any of them holds a non-finite value.
+__device__ __forceinline__ bool quad_any(bool x) {
+  int v = x;
+  v |= __shfl_xor_sync(0xffffffffu, v, 1);
+  v |= __shfl_xor_sync(0xffffffffu, v, 2);
+  return v != 0;
+}
+
+// One (batch, head)'s rows of a tensor: row i starts at head + i * stride.
+struct HeadRows {
+  const unsigned short* head;
+  i64 stride;
+  __device__ __forceinline__ const unsigned short* row(int i) const {
+    return head + static_cast<i64>(i) * stride;
+  }
+};
+
+// Sum over the 32 lanes of a warp.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Step 3 for the forward pass differs: a flagged row is recomputed entirely, over every key it sees
+// ([0, key_end)), from the lse the main loop found (correct: the scores are masked with a select,
+// so no 0 * NaN reaches it), and written over its normalised output in the staging tile of the
+// epilogue. The accumulator is dead by then, so the recomputation costs the largest
+// configurations no registers in their main loop. One row at a time, by the whole warp (lane x
+// owns the columns x, x + 32, ...). lse_rows: this lane's rows' lse (natural log; MT tiles).
+template <typename Elem, int HD, int MT>
+__device__ __forceinline__ void recompute_forward_rows(unsigned short* stage, int pitch,
+                                                       unsigned rows, const float (&lse_rows)[MT][2],
+                                                       float scale_log2, HeadRows q, HeadRows k,
+                                                       HeadRows v, int row0, int key_end, int nq,
+                                                       int nk, int d, bool causal, int lane) {
+  constexpr int CPL = (HD + 31) / 32;  // columns per lane
+  const int g = lane >> 2;
+#pragma unroll 1
+  for (int rl = 0; rl < 16 * MT; ++rl) {  // row rl of this warp: tile mt, half hr, lane group gr
+    const int mt = rl >> 4, hr = (rl >> 3) & 1, gr = rl & 7;
+    float lse = 0.f;
+    bool flagged = false;
+#pragma unroll
+    for (int x = 0; x < MT; ++x)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (x == mt && r == hr) {
+          lse = lse_rows[x][r];
+          flagged = (rows >> (2 * x + r)) & 1;
+        }
+    // Row rl is held by lanes 4 gr .. 4 gr + 3; lane 4 gr broadcasts its flag and lse.
+    const float lse2 = __shfl_sync(0xffffffffu, lse, 4 * gr) * 1.4426950408889634f;
+    const int i = row0 + rl;
+    if (!__shfl_sync(0xffffffffu, flagged && g == gr, 4 * gr) || i >= nq) continue;  // uniform
+    if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
+    float out[CPL];
+#pragma unroll
+    for (int x = 0; x < CPL; ++x) out[x] = 0.f;
+    const unsigned short* q_row = q.row(i);
+#pragma unroll 1
+    for (int j = 0; j < key_end; ++j) {
+      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+      const unsigned short* k_row = k.row(j);
+      float part = 0.f;
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) {
+        const int c = lane + 32 * x;
+        if (c < d) part = fmaf(ElemTraits<Elem>::to_acc(q_row[c]), ElemTraits<Elem>::to_acc(k_row[c]), part);
+      }
+      const float p = fast_exp2(fmaf(warp_sum(part), scale_log2, -lse2));
+      const unsigned short* v_row = v.row(j);
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) {
+        const int c = lane + 32 * x;
+        if (c < d) out[x] = fmaf(p, ElemTraits<Elem>::to_acc(v_row[c]), out[x]);
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < CPL; ++x) {
+      const int c = lane + 32 * x;
+      if (c < HD) stage[rl * pitch + c] = ElemTraits<Elem>::from_acc(out[x]);
+    }
+  }
+}
+
+// Where a flag register live through the main loop would push a configuration into spills, the
+// flags wait in memory the kernel owns and does not otherwise touch until the epilogue: the
+// forward pass's own lse output (written at the end anyway; lane 4 g parks its word as the lse of
+// its row g, and rows g + 8, ... are padding when row g is), or the 8 padding columns of a
+// shared-memory tile row (PITCH = HD + 8). Volatile accesses keep the compiler from forwarding
+// the value in a register.
+__device__ __forceinline__ void park_flags(void* slot, bool owner, unsigned rows) {
+  if (owner) *reinterpret_cast<volatile unsigned*>(slot) = rows;
+}
+
+__device__ __forceinline__ unsigned unpark_flags(const void* slot, bool owner) {
+  return owner ? *reinterpret_cast<const volatile unsigned*>(slot) : 0u;
+}
+
+// Step 1 for the forward pass: the same flags, without zeroing (the rows are recomputed whole).
+template <int MT, int NT>
+__device__ __forceinline__ unsigned nonfinite_rows(const float (&acc)[MT][NT][4]) {
+  unsigned rows = 0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (quad_any(row_has_nonfinite(acc[mt], r))) rows |= 1u << (2 * mt + r);
+  return rows;
+}
+
+// The same for dK and dV (one 16-key tile): a key row is flagged when either accumulator is bad.
+template <int NT>
+__device__ __forceinline__ unsigned nonfinite_rows(const float (&acc_dk)[NT][4],
+                                                   const float (&acc_dv)[NT][4]) {
+  unsigned rows = 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (quad_any(row_has_nonfinite(acc_dk, r) || row_has_nonfinite(acc_dv, r))) rows |= 1u << r;
+  return rows;
+}
+
+// The query side of one batch for the dK/dV recomputation: query head h has its q and dO rows at
+// head_ptr(q / dout, ..., h), its lse at head_ptr(lse, ..., h) and its D at delta + (batch hq + h) nq.
+struct QuerySide {
+  const unsigned short *q, *dout;
+  const float *lse, *delta;
+  Strides q_str, do_str, lse_str;
+  int batch, hq;
+};
+
+// lse in log2 units for P = exp2(s scale_log2 - lse2); a row that sees no key gets +inf (P = 0).
+__device__ __forceinline__ float lse_log2(float lse) {
+  return lse == -inf_f32() ? inf_f32() : lse * 1.4426950408889634f;
+}
+
+// Broadcasts the flag of row rl (tile mt = rl / 16, half rl / 8 % 2, lane group rl % 8) of this
+// warp from the lanes that hold it; the same in every lane.
+template <int MT>
+__device__ __forceinline__ bool row_flag(unsigned rows, int rl, int lane) {
+  const int bit = 2 * (rl >> 4) + ((rl >> 3) & 1);
+  return (__shfl_sync(0xffffffffu, rows, 4 * (rl & 7)) >> bit) & 1;
+}
+
+// Step 3, dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys
+// [0, key_end) row i sees, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i),
+// written over the staged dQ rows (row rl of this warp at stage + rl * pitch).
+template <typename Elem, int HD, int MT>
+__device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pitch, unsigned rows,
+                                                  float scale, float scale_log2, HeadRows q,
+                                                  HeadRows dout, HeadRows k, HeadRows v,
+                                                  const float* lse_head, i64 lse_ss,
+                                                  const float* delta_head, int row0, int key_end,
+                                                  int nq, int nk, int d, bool causal, int lane) {
+  constexpr int CPL = (HD + 31) / 32;
+#pragma unroll 1
+  for (int rl = 0; rl < 16 * MT; ++rl) {
+    const int i = row0 + rl;
+    if (!row_flag<MT>(rows, rl, lane) || i >= nq) continue;  // warp-uniform
+    const float lse2 = lse_log2(lse_head[i * lse_ss]), delta = delta_head[i];
+    float out[CPL];
+#pragma unroll
+    for (int x = 0; x < CPL; ++x) out[x] = 0.f;
+    const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
+#pragma unroll 1
+    for (int j = 0; j < key_end; ++j) {
+      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+      const unsigned short *k_row = k.row(j), *v_row = v.row(j);
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) {
+        const int c = lane + 32 * x;
+        if (c < d) {
+          s = fmaf(ElemTraits<Elem>::to_acc(q_row[c]), ElemTraits<Elem>::to_acc(k_row[c]), s);
+          dp = fmaf(ElemTraits<Elem>::to_acc(do_row[c]), ElemTraits<Elem>::to_acc(v_row[c]), dp);
+        }
+      }
+      const float p = fast_exp2(fmaf(warp_sum(s), scale_log2, -lse2));
+      const float ds = p * (warp_sum(dp) - delta);
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) {
+        const int c = lane + 32 * x;
+        if (c < d) out[x] = fmaf(ds, ElemTraits<Elem>::to_acc(k_row[c]), out[x]);
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < CPL; ++x) {
+      const int c = lane + 32 * x;
+      if (c < HD) stage[rl * pitch + c] = ElemTraits<Elem>::from_acc(out[x] * scale);
+    }
+  }
+}
+
+// Step 3, dK and dV: flagged key rows (this warp's 16 keys from key0, columns [col0, col0 + W))
+// recomputed whole over the query rows [query_begin, nq) of query heads head0 .. head0 + group - 1
+// that see them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the staged
+// rows (key row rl of this warp at stage_dk / stage_dv + rl * pitch, from column col0).
+template <typename Elem, int HD, int W>
+__device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, unsigned short* stage_dv,
+                                                    int pitch, unsigned rows, float scale,
+                                                    float scale_log2, const QuerySide& qs, int head0,
+                                                    int group, HeadRows k, HeadRows v, int key0,
+                                                    int col0, int query_begin, int nq, int nk, int d,
+                                                    bool causal, int lane) {
+  constexpr int CPL = (HD + 31) / 32, OPL = (W + 31) / 32;  // dot columns, output columns per lane
+#pragma unroll 1
+  for (int rl = 0; rl < 16; ++rl) {
+    const int j = key0 + rl;
+    if (!row_flag<1>(rows, rl, lane) || j >= nk) continue;  // warp-uniform
+    const unsigned short *k_row = k.row(j), *v_row = v.row(j);
+    float out_dk[OPL], out_dv[OPL];
+#pragma unroll
+    for (int x = 0; x < OPL; ++x) out_dk[x] = out_dv[x] = 0.f;
+#pragma unroll 1
+    for (int h = head0; h < head0 + group; ++h) {
+      const HeadRows q{head_ptr(qs.q, qs.q_str, qs.batch, h), qs.q_str.seq};
+      const HeadRows dout{head_ptr(qs.dout, qs.do_str, qs.batch, h), qs.do_str.seq};
+      const float* lse_head = head_ptr(qs.lse, qs.lse_str, qs.batch, h);
+      const float* delta_head = qs.delta + (static_cast<i64>(qs.batch) * qs.hq + h) * nq;
+#pragma unroll 1
+      for (int i = query_begin; i < nq; ++i) {
+        if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+        const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
+        float s = 0.f, dp = 0.f;
+#pragma unroll
+        for (int x = 0; x < CPL; ++x) {
+          const int c = lane + 32 * x;
+          if (c < d) {
+            s = fmaf(ElemTraits<Elem>::to_acc(k_row[c]), ElemTraits<Elem>::to_acc(q_row[c]), s);
+            dp = fmaf(ElemTraits<Elem>::to_acc(v_row[c]), ElemTraits<Elem>::to_acc(do_row[c]), dp);
+          }
+        }
+        const float p = fast_exp2(fmaf(warp_sum(s), scale_log2, -lse_log2(lse_head[i * qs.lse_str.seq])));
+        const float ds = p * (warp_sum(dp) - delta_head[i]);
+#pragma unroll
+        for (int x = 0; x < OPL; ++x) {
+          const int c = col0 + lane + 32 * x;
+          if (lane + 32 * x < W && c < d) {
+            out_dv[x] = fmaf(p, ElemTraits<Elem>::to_acc(do_row[c]), out_dv[x]);
+            out_dk[x] = fmaf(ds, ElemTraits<Elem>::to_acc(q_row[c]), out_dk[x]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < OPL; ++x) {
+      const int c = lane + 32 * x;
+      if (c < W) {
+        stage_dk[rl * pitch + col0 + c] = ElemTraits<Elem>::from_acc(out_dk[x] * scale);
+        stage_dv[rl * pitch + col0 + c] = ElemTraits<Elem>::from_acc(out_dv[x]);
+      }
+    }
+  }
+}
+
+}  // namespace cuflash
