@@ -245,8 +245,8 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
             # the block owns BN keys and streams BM-row query tiles
             return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, smem, bn, bm)
         bm, bn, warps = _tiles(family, dtype, hd)
-        expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}>"
         rows = bm + 2 * bn if family == "forward" else 2 * bm + 2 * bn
+        expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {warps}>"
         return KernelSpec(
             family, dtype, hd, _SOURCE_FILE[key], expr, warps * 32, rows * pitch_bytes, bm, bn
         )

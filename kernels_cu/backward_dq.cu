@@ -186,11 +186,11 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
   for (; it < masked; ++it)
     blk.template process_key_tile<true>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
   // The flags wait in the padding columns of this lane's row g of the Q tile (repair.cuh).
-  unsigned* flag_slot = reinterpret_cast<unsigned*>(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH + HD) + (lane & 3);
-  if (masked > 0) park_flags(flag_slot, true, nonfinite_rows(blk.acc_dq));
+  const FlagSlot flags = padding_flag_slot(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH, HD, lane);
+  if (masked > 0) park_flags(flags, nonfinite_rows(blk.acc_dq));
   for (; it < tiles.count; ++it)
     blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
-  const unsigned repair = unpark_flags(flag_slot, masked > 0);
+  const unsigned repair = masked > 0 ? unpark_flags(flags) : 0u;
 
   // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
   cp_async_wait<0>();

@@ -99,14 +99,6 @@ __device__ __forceinline__ T* head_ptr(T* base, const Strides& s, int batch, int
   return base + static_cast<i64>(batch) * s.batch + static_cast<i64>(head) * s.head;
 }
 
-// The same pointer, hidden from the optimiser: values computed from it after a long loop are
-// computed there, not kept in registers (or spilled) through the loop. For rarely taken tails.
-template <typename T>
-__device__ __forceinline__ T* opaque(T* p) {
-  asm volatile("" : "+l"(p));
-  return p;
-}
-
 // The block's work item, decoded from a flat blockIdx.x so that B * H is not limited to 65535.
 // Blocks of one (batch, head) are adjacent, so they share K and V in L2; within a head the
 // heaviest (last, under causal masking) row block is scheduled first.

@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
   float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
                      blk.warp_row0 + (lane >> 2);
   const bool real_row_g = blk.m0 + blk.warp_row0 + (lane >> 2) < nq;
-  if (masked > 0) park_flags(lse_row_g, (lane & 3) == 0 && real_row_g, nonfinite_rows(blk.acc_o));
+  if (masked > 0) park_flags(lse_flag_slot(lse_row_g, real_row_g, lane), nonfinite_rows(blk.acc_o));
   for (; it < tiles.count; ++it)
     blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
 
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
   cp_async_wait<0>();
   __syncthreads();  // no copy into sQ is in flight and no warp still reads it
   stage_accumulators<Elem, MT, Tr::NT_O, PITCH>(blk.sQ, blk.acc_o, 1.f, lane);
-  const unsigned repair = masked > 0 ? unpark_flags(lse_row_g, (lane & 3) == 0 && real_row_g) : 0u;
+  const unsigned repair = masked > 0 ? unpark_flags(lse_flag_slot(lse_row_g, real_row_g, lane)) : 0u;
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, repair, lse_rows, blk.scale_log2,

@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   // The tiles that straddle the diagonal or the end of the keys first (mask.cuh, key_tile_at).
   // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
   const int masked = tiles.count - tiles.full;
+  // The flag slot is built at each use from these two: a FlagSlot held through the loop spills.
   float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
                      blk.warp_row0 + (blk.lane >> 2);
   const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < nq;
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
     }
     if (it < masked) {
       blk.template process_key_tile<true>(key_tile_at(it, tiles), it & 1);
-      if (it == masked - 1) park_flags(lse_row_g, (blk.lane & 3) == 0 && real_row_g, nonfinite_rows(blk.acc_o));
+      if (it == masked - 1) park_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane), nonfinite_rows(blk.acc_o));
     } else {
       blk.template process_key_tile<false>(key_tile_at(it, tiles), it & 1);
     }
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem);
   stage_accumulators<Elem, 1, Tr::NT_O, Tr::PITCH>(s_out + blk.warp_row0 * Tr::PITCH, blk.acc_o,
                                                      1.f, blk.lane);
-  const unsigned repair = masked > 0 ? unpark_flags(lse_row_g, (blk.lane & 3) == 0 && real_row_g) : 0u;
+  const unsigned repair = masked > 0 ? unpark_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane)) : 0u;
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, repair,

@@ -31,9 +31,9 @@ __device__ __forceinline__ KeyTiles key_tiles_for_queries(int m0, int bm, int bn
   return t;
 }
 
-// The kernels visit the key tiles from the last to the first, so that the masked ones come first,
-// from zero accumulators (repair.cuh needs their contribution alone): visit `it` of [0, count) ->
-// key tile index, or -1 past the end.
+// The kernels visit the key tiles from the last to the first, so that the masked ones come first
+// and the accumulators, checked right after them, hold their contribution alone (repair.cuh):
+// visit `it` of [0, count) -> key tile index, or -1 past the end.
 __device__ __forceinline__ int key_tile_at(int it, const KeyTiles& t) { return t.count - 1 - it; }
 
 // Query tiles for the keys [n0, n0 + bn): tiles [first, unmasked_from) need the causal mask,

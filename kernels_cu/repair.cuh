@@ -18,7 +18,8 @@
 //
 // Fragment layout (mma.cuh, also the wgmma accumulator of each warp): for a 16-row tile, lane
 // (g = lane / 4, t = lane % 4) holds rows g (r = 0) and g + 8 (r = 1) and, of every n8 tile nt,
-// columns 8 nt + 2 t + {0, 1}, as acc[nt][2 r + {0, 1}]. Row flag bits are 2 mt + r.
+// columns 8 nt + 2 t + {0, 1}, as acc[nt][2 r + {0, 1}]. Row flag bits are 2 mt + r. The
+// recomputation goes one row at a time, by the whole warp: lane x owns the columns x, x + 32, ...
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"
@@ -27,6 +28,9 @@
 namespace cuflash {
 
 __device__ __forceinline__ bool is_finite_f32(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+// ---------------------------------------------------------------------------------------------
+// Step 1: flags
 
 template <int NT>
 __device__ __forceinline__ bool row_has_nonfinite(const float (&acc)[NT][4], int r) {
@@ -44,99 +48,7 @@ __device__ __forceinline__ bool quad_any(bool x) {
   return v != 0;
 }
 
-// One (batch, head)'s rows of a tensor: row i starts at head + i * stride.
-struct HeadRows {
-  const unsigned short* head;
-  i64 stride;
-  __device__ __forceinline__ const unsigned short* row(int i) const {
-    return head + static_cast<i64>(i) * stride;
-  }
-};
-
-// Sum over the 32 lanes of a warp.
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
-// Step 3 for the forward pass differs: a flagged row is recomputed entirely, over every key it sees
-// ([0, key_end)), from the lse the main loop found (correct: the scores are masked with a select,
-// so no 0 * NaN reaches it), and written over its normalised output in the staging tile of the
-// epilogue. The accumulator is dead by then, so the recomputation costs the largest
-// configurations no registers in their main loop. One row at a time, by the whole warp (lane x
-// owns the columns x, x + 32, ...). lse_rows: this lane's rows' lse (natural log; MT tiles).
-template <typename Elem, int HD, int MT>
-__device__ __forceinline__ void recompute_forward_rows(unsigned short* stage, int pitch,
-                                                       unsigned rows, const float (&lse_rows)[MT][2],
-                                                       float scale_log2, HeadRows q, HeadRows k,
-                                                       HeadRows v, int row0, int key_end, int nq,
-                                                       int nk, int d, bool causal, int lane) {
-  constexpr int CPL = (HD + 31) / 32;  // columns per lane
-  const int g = lane >> 2;
-#pragma unroll 1
-  for (int rl = 0; rl < 16 * MT; ++rl) {  // row rl of this warp: tile mt, half hr, lane group gr
-    const int mt = rl >> 4, hr = (rl >> 3) & 1, gr = rl & 7;
-    float lse = 0.f;
-    bool flagged = false;
-#pragma unroll
-    for (int x = 0; x < MT; ++x)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (x == mt && r == hr) {
-          lse = lse_rows[x][r];
-          flagged = (rows >> (2 * x + r)) & 1;
-        }
-    // Row rl is held by lanes 4 gr .. 4 gr + 3; lane 4 gr broadcasts its flag and lse.
-    const float lse2 = __shfl_sync(0xffffffffu, lse, 4 * gr) * 1.4426950408889634f;
-    const int i = row0 + rl;
-    if (!__shfl_sync(0xffffffffu, flagged && g == gr, 4 * gr) || i >= nq) continue;  // uniform
-    if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
-    float out[CPL];
-#pragma unroll
-    for (int x = 0; x < CPL; ++x) out[x] = 0.f;
-    const unsigned short* q_row = q.row(i);
-#pragma unroll 1
-    for (int j = 0; j < key_end; ++j) {
-      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
-      const unsigned short* k_row = k.row(j);
-      float part = 0.f;
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        const int c = lane + 32 * x;
-        if (c < d) part = fmaf(ElemTraits<Elem>::to_acc(q_row[c]), ElemTraits<Elem>::to_acc(k_row[c]), part);
-      }
-      const float p = fast_exp2(fmaf(warp_sum(part), scale_log2, -lse2));
-      const unsigned short* v_row = v.row(j);
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        const int c = lane + 32 * x;
-        if (c < d) out[x] = fmaf(p, ElemTraits<Elem>::to_acc(v_row[c]), out[x]);
-      }
-    }
-#pragma unroll
-    for (int x = 0; x < CPL; ++x) {
-      const int c = lane + 32 * x;
-      if (c < HD) stage[rl * pitch + c] = ElemTraits<Elem>::from_acc(out[x]);
-    }
-  }
-}
-
-// Where a flag register live through the main loop would push a configuration into spills, the
-// flags wait in memory the kernel owns and does not otherwise touch until the epilogue: the
-// forward pass's own lse output (written at the end anyway; lane 4 g parks its word as the lse of
-// its row g, and rows g + 8, ... are padding when row g is), or the 8 padding columns of a
-// shared-memory tile row (PITCH = HD + 8). Volatile accesses keep the compiler from forwarding
-// the value in a register.
-__device__ __forceinline__ void park_flags(void* slot, bool owner, unsigned rows) {
-  if (owner) *reinterpret_cast<volatile unsigned*>(slot) = rows;
-}
-
-__device__ __forceinline__ unsigned unpark_flags(const void* slot, bool owner) {
-  return owner ? *reinterpret_cast<const volatile unsigned*>(slot) : 0u;
-}
-
-// Step 1 for the forward pass: the same flags, without zeroing (the rows are recomputed whole).
+// The rows of MT 16-row tiles of one accumulator (O, dQ) that hold a non-finite value.
 template <int MT, int NT>
 __device__ __forceinline__ unsigned nonfinite_rows(const float (&acc)[MT][NT][4]) {
   unsigned rows = 0;
@@ -159,6 +71,46 @@ __device__ __forceinline__ unsigned nonfinite_rows(const float (&acc_dk)[NT][4],
   return rows;
 }
 
+// Where a flag register live through the main loop would push a configuration into spills, the
+// flags wait in memory that the kernel owns and does not touch again before the epilogue.
+// Volatile accesses keep the compiler from forwarding the value in a register.
+struct FlagSlot {
+  unsigned* addr;
+  bool owner;  // does this lane park a word there?
+};
+
+// The forward pass's own lse output, written at the end anyway: lane 4 g parks its word as the lse
+// of its row g (its rows g + 8, ... are padding when row g is not real).
+__device__ __forceinline__ FlagSlot lse_flag_slot(float* lse_row_g, bool real_row_g, int lane) {
+  return FlagSlot{reinterpret_cast<unsigned*>(lse_row_g), (lane & 3) == 0 && real_row_g};
+}
+
+// The 8 padding columns (PITCH = HD + 8) of this lane's row g of a shared-memory tile: one word for
+// each lane of the quad.
+__device__ __forceinline__ FlagSlot padding_flag_slot(unsigned short* tile_row_g, int hd, int lane) {
+  return FlagSlot{reinterpret_cast<unsigned*>(tile_row_g + hd) + (lane & 3), true};
+}
+
+__device__ __forceinline__ void park_flags(const FlagSlot& slot, unsigned rows) {
+  if (slot.owner) *reinterpret_cast<volatile unsigned*>(slot.addr) = rows;
+}
+
+__device__ __forceinline__ unsigned unpark_flags(const FlagSlot& slot) {
+  return slot.owner ? *reinterpret_cast<const volatile unsigned*>(slot.addr) : 0u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 3: recomputation
+
+// One (batch, head)'s rows of a tensor: row i starts at head + i * stride.
+struct HeadRows {
+  const unsigned short* head;
+  i64 stride;
+  __device__ __forceinline__ const unsigned short* row(int i) const {
+    return head + static_cast<i64>(i) * stride;
+  }
+};
+
 // The query side of one batch for the dK/dV recomputation: query head h has its q and dO rows at
 // head_ptr(q / dout, ..., h), its lse at head_ptr(lse, ..., h) and its D at delta + (batch hq + h) nq.
 struct QuerySide {
@@ -168,22 +120,107 @@ struct QuerySide {
   int batch, hq;
 };
 
+// Sum over the 32 lanes of a warp.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
 // lse in log2 units for P = exp2(s scale_log2 - lse2); a row that sees no key gets +inf (P = 0).
 __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -inf_f32() ? inf_f32() : lse * 1.4426950408889634f;
 }
 
-// Broadcasts the flag of row rl (tile mt = rl / 16, half rl / 8 % 2, lane group rl % 8) of this
-// warp from the lanes that hold it; the same in every lane.
+// Row rl of a warp's MT 16-row tiles (tile rl / 16, half rl / 8 % 2) is held by lanes 4 (rl % 8)
+// .. + 3: its flag and its entry of a per-row array, broadcast from lane 4 (rl % 8).
 template <int MT>
-__device__ __forceinline__ bool row_flag(unsigned rows, int rl, int lane) {
+__device__ __forceinline__ bool row_flag(unsigned rows, int rl) {
   const int bit = 2 * (rl >> 4) + ((rl >> 3) & 1);
   return (__shfl_sync(0xffffffffu, rows, 4 * (rl & 7)) >> bit) & 1;
 }
 
-// Step 3, dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys
-// [0, key_end) row i sees, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i),
-// written over the staged dQ rows (row rl of this warp at stage + rl * pitch).
+template <int MT>
+__device__ __forceinline__ float row_value(const float (&per_row)[MT][2], int rl) {
+  float mine = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (mt == (rl >> 4) && r == ((rl >> 3) & 1)) mine = per_row[mt][r];
+  return __shfl_sync(0xffffffffu, mine, 4 * (rl & 7));
+}
+
+// This lane's share (columns lane + 32 n < d, n < N) of the dot product of two rows.
+template <typename Elem, int N>
+__device__ __forceinline__ float lane_dot(const unsigned short* a, const unsigned short* b, int d,
+                                          int lane) {
+  float s = 0.f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int c = lane + 32 * n;
+    if (c < d) s = fmaf(ElemTraits<Elem>::to_acc(a[c]), ElemTraits<Elem>::to_acc(b[c]), s);
+  }
+  return s;
+}
+
+// out[n] += w * row[col0 + lane + 32 n] over this lane's columns of a slice [col0, col0 + width).
+template <typename Elem, int N>
+__device__ __forceinline__ void lane_axpy(float (&out)[N], float w, const unsigned short* row,
+                                          int col0, int width, int d, int lane) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int c = lane + 32 * n;
+    if (c < width && col0 + c < d) out[n] = fmaf(w, ElemTraits<Elem>::to_acc(row[col0 + c]), out[n]);
+  }
+}
+
+// dst[lane + 32 n] = scale * out[n], rounded to Elem, over a slice of `width` columns.
+template <typename Elem, int N>
+__device__ __forceinline__ void lane_store(unsigned short* dst, const float (&out)[N], float scale,
+                                           int width, int lane) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int c = lane + 32 * n;
+    if (c < width) dst[c] = ElemTraits<Elem>::from_acc(out[n] * scale);
+  }
+}
+
+// Forward: flagged rows recomputed whole over every key [0, key_end) they see, from the lse the
+// main loop found (correct: the scores are masked with a select, so no 0 * NaN reaches it), and
+// written over their normalised rows of the staging tile (row rl of this warp at stage +
+// rl * pitch). lse_rows: this lane's rows' lse (natural log).
+template <typename Elem, int HD, int MT>
+__device__ __forceinline__ void recompute_forward_rows(unsigned short* stage, int pitch,
+                                                       unsigned rows, const float (&lse_rows)[MT][2],
+                                                       float scale_log2, HeadRows q, HeadRows k,
+                                                       HeadRows v, int row0, int key_end, int nq,
+                                                       int nk, int d, bool causal, int lane) {
+  constexpr int CPL = (HD + 31) / 32;  // columns per lane
+#pragma unroll 1
+  for (int rl = 0; rl < 16 * MT; ++rl) {
+    const int i = row0 + rl;
+    if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
+    const float lse2 = row_value<MT>(lse_rows, rl) * 1.4426950408889634f;
+    if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
+    float out[CPL];
+#pragma unroll
+    for (int n = 0; n < CPL; ++n) out[n] = 0.f;
+    const unsigned short* q_row = q.row(i);
+#pragma unroll 1
+    for (int j = 0; j < key_end; ++j) {
+      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+      const float p = fast_exp2(fmaf(warp_sum(lane_dot<Elem, CPL>(q_row, k.row(j), d, lane)),
+                                     scale_log2, -lse2));
+      lane_axpy<Elem, CPL>(out, p, v.row(j), 0, HD, d, lane);
+    }
+    lane_store<Elem, CPL>(stage + rl * pitch, out, 1.f, HD, lane);
+  }
+}
+
+// dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys [0, key_end)
+// row i sees, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i), written over
+// the staged dQ rows (row rl of this warp at stage + rl * pitch).
 template <typename Elem, int HD, int MT>
 __device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pitch, unsigned rows,
                                                   float scale, float scale_log2, HeadRows q,
@@ -195,45 +232,29 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pit
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
     const int i = row0 + rl;
-    if (!row_flag<MT>(rows, rl, lane) || i >= nq) continue;  // warp-uniform
+    if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
     const float lse2 = lse_log2(lse_head[i * lse_ss]), delta = delta_head[i];
     float out[CPL];
 #pragma unroll
-    for (int x = 0; x < CPL; ++x) out[x] = 0.f;
+    for (int n = 0; n < CPL; ++n) out[n] = 0.f;
     const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
 #pragma unroll 1
     for (int j = 0; j < key_end; ++j) {
       if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
       const unsigned short *k_row = k.row(j), *v_row = v.row(j);
-      float s = 0.f, dp = 0.f;
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        const int c = lane + 32 * x;
-        if (c < d) {
-          s = fmaf(ElemTraits<Elem>::to_acc(q_row[c]), ElemTraits<Elem>::to_acc(k_row[c]), s);
-          dp = fmaf(ElemTraits<Elem>::to_acc(do_row[c]), ElemTraits<Elem>::to_acc(v_row[c]), dp);
-        }
-      }
-      const float p = fast_exp2(fmaf(warp_sum(s), scale_log2, -lse2));
-      const float ds = p * (warp_sum(dp) - delta);
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        const int c = lane + 32 * x;
-        if (c < d) out[x] = fmaf(ds, ElemTraits<Elem>::to_acc(k_row[c]), out[x]);
-      }
+      const float s = warp_sum(lane_dot<Elem, CPL>(q_row, k_row, d, lane));
+      const float dp = warp_sum(lane_dot<Elem, CPL>(do_row, v_row, d, lane));
+      const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
+      lane_axpy<Elem, CPL>(out, p * (dp - delta), k_row, 0, HD, d, lane);
     }
-#pragma unroll
-    for (int x = 0; x < CPL; ++x) {
-      const int c = lane + 32 * x;
-      if (c < HD) stage[rl * pitch + c] = ElemTraits<Elem>::from_acc(out[x] * scale);
-    }
+    lane_store<Elem, CPL>(stage + rl * pitch, out, scale, HD, lane);
   }
 }
 
-// Step 3, dK and dV: flagged key rows (this warp's 16 keys from key0, columns [col0, col0 + W))
-// recomputed whole over the query rows [query_begin, nq) of query heads head0 .. head0 + group - 1
-// that see them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the staged
-// rows (key row rl of this warp at stage_dk / stage_dv + rl * pitch, from column col0).
+// dK and dV: flagged key rows (this warp's 16 keys from key0, columns [col0, col0 + W)) recomputed
+// whole over the query rows [query_begin, nq) of query heads head0 .. head0 + group - 1 that see
+// them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the staged rows (key row
+// rl of this warp at stage_dk / stage_dv + rl * pitch, from column col0).
 template <typename Elem, int HD, int W>
 __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, unsigned short* stage_dv,
                                                     int pitch, unsigned rows, float scale,
@@ -245,11 +266,11 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, un
 #pragma unroll 1
   for (int rl = 0; rl < 16; ++rl) {
     const int j = key0 + rl;
-    if (!row_flag<1>(rows, rl, lane) || j >= nk) continue;  // warp-uniform
+    if (!row_flag<1>(rows, rl) || j >= nk) continue;  // warp-uniform
     const unsigned short *k_row = k.row(j), *v_row = v.row(j);
     float out_dk[OPL], out_dv[OPL];
 #pragma unroll
-    for (int x = 0; x < OPL; ++x) out_dk[x] = out_dv[x] = 0.f;
+    for (int n = 0; n < OPL; ++n) out_dk[n] = out_dv[n] = 0.f;
 #pragma unroll 1
     for (int h = head0; h < head0 + group; ++h) {
       const HeadRows q{head_ptr(qs.q, qs.q_str, qs.batch, h), qs.q_str.seq};
@@ -260,35 +281,15 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, un
       for (int i = query_begin; i < nq; ++i) {
         if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
         const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
-        float s = 0.f, dp = 0.f;
-#pragma unroll
-        for (int x = 0; x < CPL; ++x) {
-          const int c = lane + 32 * x;
-          if (c < d) {
-            s = fmaf(ElemTraits<Elem>::to_acc(k_row[c]), ElemTraits<Elem>::to_acc(q_row[c]), s);
-            dp = fmaf(ElemTraits<Elem>::to_acc(v_row[c]), ElemTraits<Elem>::to_acc(do_row[c]), dp);
-          }
-        }
-        const float p = fast_exp2(fmaf(warp_sum(s), scale_log2, -lse_log2(lse_head[i * qs.lse_str.seq])));
-        const float ds = p * (warp_sum(dp) - delta_head[i]);
-#pragma unroll
-        for (int x = 0; x < OPL; ++x) {
-          const int c = col0 + lane + 32 * x;
-          if (lane + 32 * x < W && c < d) {
-            out_dv[x] = fmaf(p, ElemTraits<Elem>::to_acc(do_row[c]), out_dv[x]);
-            out_dk[x] = fmaf(ds, ElemTraits<Elem>::to_acc(q_row[c]), out_dk[x]);
-          }
-        }
+        const float s = warp_sum(lane_dot<Elem, CPL>(k_row, q_row, d, lane));
+        const float dp = warp_sum(lane_dot<Elem, CPL>(v_row, do_row, d, lane));
+        const float p = fast_exp2(fmaf(s, scale_log2, -lse_log2(lse_head[i * qs.lse_str.seq])));
+        lane_axpy<Elem, OPL>(out_dv, p, do_row, col0, W, d, lane);
+        lane_axpy<Elem, OPL>(out_dk, p * (dp - delta_head[i]), q_row, col0, W, d, lane);
       }
     }
-#pragma unroll
-    for (int x = 0; x < OPL; ++x) {
-      const int c = lane + 32 * x;
-      if (c < W) {
-        stage_dk[rl * pitch + col0 + c] = ElemTraits<Elem>::from_acc(out_dk[x] * scale);
-        stage_dv[rl * pitch + col0 + c] = ElemTraits<Elem>::from_acc(out_dv[x]);
-      }
-    }
+    lane_store<Elem, OPL>(stage_dk + rl * pitch + col0, out_dk, scale, W, lane);
+    lane_store<Elem, OPL>(stage_dv + rl * pitch + col0, out_dv, 1.f, W, lane);
   }
 }
 
