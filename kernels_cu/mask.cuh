@@ -31,10 +31,16 @@ __device__ __forceinline__ KeyTiles key_tiles_for_queries(int m0, int bm, int bn
   return t;
 }
 
-// The kernels visit the key tiles from the last to the first, so that the masked ones come first
-// and the accumulators, checked right after them, hold their contribution alone (repair.cuh):
-// visit `it` of [0, count) -> key tile index, or -1 past the end.
-__device__ __forceinline__ int key_tile_at(int it, const KeyTiles& t) { return t.count - 1 - it; }
+// The kernels visit the masked key tiles [full, count) first, so that the accumulators, checked
+// right after them, hold their contribution alone (repair.cuh), then the unmasked tiles [0, full)
+// in ascending order. (Visiting every tile from the last down, as v5 did, cost the causal Hopper
+// forward about 10% at N = 4096: bench/NOTES.md, v6.)
+// Visit `it` of [0, count) -> key tile index, or -1 past the end.
+__device__ __forceinline__ int key_tile_at(int it, const KeyTiles& t) {
+  const int masked = t.count - t.full;
+  if (it >= t.count) return -1;
+  return it < masked ? t.full + it : it - masked;
+}
 
 // Query tiles for the keys [n0, n0 + bn): tiles [first, unmasked_from) need the causal mask,
 // tiles [unmasked_from, count) do not. Padded query rows (>= nq) are neutralised through their
