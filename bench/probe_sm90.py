@@ -82,8 +82,17 @@ def check(dtype, cases=CHECK_CASES, only_bad: bool = False) -> bool:
     return ok
 
 
-def check_backward(dtype) -> bool:
-    """Gradients of the library against float32 autograd of the reference, awkward shapes."""
+def tma_patch_status() -> str:
+    """Whether the plans' tensor maps have their address patched in place (cuflash/_tma.py)."""
+    found = [
+        m._split is not None for plan in _plans._plans.values() for m in getattr(plan, "maps", ())
+    ]
+    return f"{sum(found)} of {len(found)} maps"
+
+
+def check_backward(dtype, only_d: int | None = None, only_bad: bool = False) -> bool:
+    """Gradients of the library against float32 autograd of the reference, awkward shapes (those
+    of head-dim bucket only_d when given); prints every case, or only the failing ones."""
     torch.manual_seed(1)
     ok = True
     cases = [
@@ -95,9 +104,17 @@ def check_backward(dtype) -> bool:
         (3, 129, 77, 2, 1, 100, False),
         (2, 513, 513, 2, 2, 64, True),
         (1, 1, 1, 1, 1, 64, False),
+        (2, 700, 900, 4, 1, 48, False),
+        (1, 1500, 1500, 2, 2, 64, True),
         (1, 2048, 2048, 2, 2, 128, True),
+        (2, 300, 300, 3, 3, 256, True),
+        (1, 257, 1000, 4, 2, 256, True),
+        (1, 1000, 257, 2, 1, 232, True),
+        (3, 129, 77, 2, 1, 256, False),
     ]
     for b, nq, nk, hq, hkv, d, causal in cases:
+        if only_d is not None and _kernels.head_dim_bucket(d) != only_d:
+            continue
         q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype)
         v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype)
@@ -116,6 +133,8 @@ def check_backward(dtype) -> bool:
             good &= err <= limit and not torch.isnan(got).any().item()
             line.append(f"{name} {err:.1e}/{limit:.1e}")
         ok &= good
+        if good and only_bad:
+            continue
         print(
             f"{'ok ' if good else 'BAD'} bwd {str(dtype)[6:]:8s}"
             f" b{b} nq{nq} nk{nk} h{hq}/{hkv} d{d} "
@@ -193,9 +212,11 @@ def check_head_dim(d: int, dtype=torch.bfloat16) -> bool:
     return check(dtype, cases, only_bad=True)
 
 
-def sweep(configs: dict[int, list[tuple[int, ...]]], seqs) -> None:
-    """Forward TFLOP/s of each tile tuple of the Hopper kernel, bf16, B = 16384 / N, H = 2048 / d,
-    with SDPA's flash backend on the same shapes first."""
+def sweep(configs: dict[int, list[tuple[int, ...]]], seqs, family: str = "forward_sm90") -> None:
+    """Forward TFLOP/s of each tile tuple of a Hopper forward kernel (`family`: forward_sm90, the
+    cp.async kernel, or forward_tma), bf16, B = 16384 / N, H = 2048 / d, with SDPA's flash
+    backend on the same shapes first (and, for the TMA kernel, the cp.async kernel's table
+    tiles)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     print(
@@ -227,17 +248,24 @@ def sweep(configs: dict[int, list[tuple[int, ...]]], seqs) -> None:
     def ours(q, k, v, causal):
         return lambda: cuflash.attention_forward(q, k, v, causal=causal)
 
+    _kernels.set_tma(family == "forward_tma")
     for d, tiles in configs.items():
         print(f"sweep: {d} sdpa-flash | {row_for(d, flash)}", flush=True)
+        if family == "forward_tma":
+            _kernels.set_tma(False)
+            _plans._plans.clear()
+            print(f"sweep: {d} cp.async table | {row_for(d, ours)}", flush=True)
+            _kernels.set_tma(True)
         for t in tiles:
-            _kernels.set_tile_override("forward_sm90", "bfloat16", d, t)
+            _kernels.set_tile_override(family, "bfloat16", d, t)
             _plans._plans.clear()
             try:
                 ok = check_head_dim(d)
                 print(f"sweep: {d} {t} {'ok' if ok else 'WRONG'} | {row_for(d, ours)}", flush=True)
             except Exception as exc:  # a configuration that does not build or launch
                 print(f"sweep: {d} {t} failed: {exc}"[:300], flush=True)
-            _kernels.set_tile_override("forward_sm90", "bfloat16", d, None)
+            _kernels.set_tile_override(family, "bfloat16", d, None)
+    _kernels.set_tma(True)
 
 
 def bench_backward(seqs, dims) -> None:
@@ -280,37 +308,91 @@ def bench_backward(seqs, dims) -> None:
                 )
 
 
-def sweep_backward(configs: dict[tuple[str, int], list[tuple[int, int]]], seqs) -> None:
-    """Backward TFLOP/s per (BM, BN) of one Hopper backward kernel (the other at its default)."""
+def backward_row(d: int, seqs, flash: bool = False) -> str:
+    """Backward TFLOP/s (2.5x the forward count) of the library, or of SDPA's flash backend,
+    bf16, B = 16384 / N, H = 2048 / d, at each N, not causal and causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    row = []
+    for n in seqs:
+        for causal in (False, True):
+            b, h = 16384 // n, 2048 // d
+            q, k, v, do = (
+                torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+            )
+            if flash:
+                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                dot = do.transpose(1, 2)
+                ms = time_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True))
+            else:
+                o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                ms = time_ms(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal))
+            row.append(10 * b * h * n * n * d * (0.5 if causal else 1.0) / ms / 1e9)
+    return " ".join(f"{t:6.1f}" for t in row)
+
+
+def sweep_backward(
+    configs: dict[tuple[str, int], list[tuple[int, ...]]], seqs, suffix: str = "_sm90"
+) -> None:
+    """Backward TFLOP/s per tile tuple of one Hopper backward kernel (the other at its default):
+    suffix "_sm90" for the cp.async kernels' (BM, BN), "_tma" for the TMA kernels'
+    (BM, BN, STAGES); the TMA sweep starts with SDPA flash and the cp.async kernels per d."""
     print(
-        "sweep-bwd: family d BM BN | "
+        "sweep-bwd: family d tiles | "
         + " ".join(f"N={n} {'causal' if c else 'full'}" for n in seqs for c in (0, 1))
     )
+    if suffix == "_tma":
+        for d in sorted({d for _, d in configs}):
+            print(f"sweep-bwd: {d} sdpa-flash | {backward_row(d, seqs, flash=True)}", flush=True)
+            _kernels.set_tma(False)
+            _plans._plans.clear()
+            print(f"sweep-bwd: {d} cp.async table | {backward_row(d, seqs)}", flush=True)
+            _kernels.set_tma(True)
     for (family, d), tiles in configs.items():
-        for bm, bn in tiles:
-            _kernels.set_tile_override(family + "_sm90", "bfloat16", d, (bm, bn))
+        for t in tiles:
+            _kernels.set_tile_override(family + suffix, "bfloat16", d, t)
             _plans._plans.clear()
             try:
-                row = []
-                for n in seqs:
-                    for causal in (False, True):
-                        b, h = 16384 // n, 2048 // d
-                        q, k, v, do = (
-                            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
-                            for _ in range(4)
-                        )
-                        o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-                        ms = time_ms(
-                            lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
-                        )
-                        row.append(10 * b * h * n * n * d * (0.5 if causal else 1.0) / ms / 1e9)
-                print(
-                    f"sweep-bwd: {family} {d} {bm} {bn} | " + " ".join(f"{t:6.1f}" for t in row),
-                    flush=True,
-                )
+                ok = check_backward(torch.bfloat16, only_d=d, only_bad=True)
+                row = backward_row(d, seqs)
+                print(f"sweep-bwd: {family} {d} {t} {'ok' if ok else 'WRONG'} | {row}", flush=True)
             except Exception as exc:
-                print(f"sweep-bwd: {family} {d} {bm} {bn} failed: {exc}"[:300], flush=True)
-            _kernels.set_tile_override(family + "_sm90", "bfloat16", d, None)
+                print(f"sweep-bwd: {family} {d} {t} failed: {exc}"[:300], flush=True)
+            _kernels.set_tile_override(family + suffix, "bfloat16", d, None)
+
+
+def profile_kernels(seqs, dims) -> None:
+    """Mean device time of each kernel of one forward and one backward call (torch.profiler),
+    bf16, B = 16384 / N, H = 2048 / d: where the time of a call goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for d in dims:
+        for n in seqs:
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                q, k, v, do = (
+                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+                )
+                o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+                torch.cuda.synchronize()
+                reps = 5
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        cuflash.attention_forward(q, k, v, causal=causal)
+                        cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+                    torch.cuda.synchronize()
+                cells = []
+                for evt in prof.key_averages():
+                    total = getattr(evt, "device_time_total", None)
+                    if total is None:
+                        total = getattr(evt, "cuda_time_total", 0)
+                    if total > 0 and "attention" in evt.key:
+                        name = evt.key.split("<")[0].replace("cuflash::attention_", "")
+                        cells.append(f"{name} {total / reps:8.1f}")
+                print(f"profile: d={d} N={n} causal={causal} | " + ", ".join(cells), flush=True)
 
 
 def main() -> int:
@@ -319,7 +401,57 @@ def main() -> int:
     parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--sweep", action="store_true", help="compare (BM, BN) of the wgmma kernel")
     parser.add_argument("--sweep-backward", action="store_true")
+    parser.add_argument(
+        "--sweep-tma",
+        nargs="*",
+        type=str,
+        default=None,
+        metavar="D:BM,BN,S",
+        help="compare (BM, BN, STAGES) of the TMA forward (default set if empty)",
+    )
+    parser.add_argument(
+        "--sweep-tma-backward",
+        nargs="*",
+        type=str,
+        default=None,
+        metavar="FAMILY:D:BM,BN,S",
+        help="compare tiles of the TMA dq / dkdv kernels (default set if empty)",
+    )
+    parser.add_argument("--profile", action="store_true", help="device time per kernel")
     args = parser.parse_args()
+    if args.profile:
+        profile_kernels(args.seq, args.head_dim)
+        return 0
+    if args.sweep_tma_backward is not None:
+        bwd: dict[tuple[str, int], list[tuple[int, ...]]] = {}
+        for item in args.sweep_tma_backward or [
+            "dq:64:128,128,2",
+            "dq:64:192,64,2",
+            "dkdv:64:64,128,2",
+            "dq:128:128,64,2",
+            "dkdv:128:64,128,2",
+            "dq:256:64,64,2",
+        ]:
+            family, d, tiles = item.split(":")
+            bwd.setdefault((family, int(d)), []).append(tuple(int(x) for x in tiles.split(",")))
+        ok = check_backward(torch.bfloat16) & check_backward(torch.float16)
+        print("tma maps patched in place:", tma_patch_status())
+        sweep_backward(bwd, args.seq, suffix="_tma")
+        return 0 if ok else 1
+    if args.sweep_tma is not None:
+        configs: dict[int, list[tuple[int, ...]]] = {}
+        for item in args.sweep_tma or [
+            "64:128,128,2",
+            "64:192,128,2",
+            "128:128,128,2",
+            "256:128,64,2",
+        ]:
+            d, tiles = item.split(":")
+            configs.setdefault(int(d), []).append(tuple(int(x) for x in tiles.split(",")))
+        ok = check(torch.bfloat16) & check(torch.float16)
+        print("tma maps patched in place:", tma_patch_status())
+        sweep(configs, args.seq, family="forward_tma")
+        return 0 if ok else 1
     if args.sweep_backward:
         ok = check_backward(torch.bfloat16)
         sweep_backward(

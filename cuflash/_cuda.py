@@ -47,6 +47,19 @@ compile_count = 0  # modules built or read from the disk cache in this process (
 
 
 _arch: dict[int, str] = {}
+_sm_count: dict[int, int] = {}
+
+
+def sm_count(device_index: int) -> int:
+    """Multiprocessors of GPU `device_index`: the grid of the persistent kernels."""
+    count = _sm_count.get(device_index)
+    if count is None:
+        import cupy
+
+        count = _sm_count[device_index] = cupy.cuda.Device(device_index).attributes[
+            "MultiProcessorCount"
+        ]
+    return count
 
 
 def device_arch(device_index: int) -> str:
@@ -111,9 +124,21 @@ def _compile(spec: _kernels.KernelSpec, device_index: int) -> _Loaded:
 
 # ---------------------------------------------------------------------------------------------
 # Launching: cuLaunchKernel with the arguments packed into a per-thread buffer. Each kernel
-# argument's C type is one struct code: Q pointer, q int64, i int32, f float, d double.
+# argument's C type is one struct code: Q pointer, q int64, i int32, f float, d double, and
+# 128s for a tensor map (128 bytes, passed by value).
 
 _tls = threading.local()
+
+
+def _argument_items(fmt: str) -> list[str]:
+    """One struct code per kernel argument: "3Q128s" -> ["Q", "Q", "Q", "128s"]."""
+    items: list[str] = []
+    for count, code in re.findall(r"(\d*)([A-Za-z])", fmt):
+        if code == "s":
+            items.append(count + code)
+        else:
+            items.extend(code * int(count or 1))
+    return items
 
 
 def _argument_buffer(fmt: str) -> tuple[np.ndarray, int]:
@@ -123,11 +148,14 @@ def _argument_buffer(fmt: str) -> tuple[np.ndarray, int]:
         buffers = _tls.buffers = {}
     found = buffers.get(fmt)
     if found is None:
-        codes = "".join(c * int(n or 1) for n, c in re.findall(r"(\d*)([A-Za-z])", fmt))
+        items = _argument_items(fmt)
         data = np.zeros(struct.calcsize(fmt) + 8, dtype=np.uint8)
         base = data.ctypes.data
         # native alignment, as struct.pack_into lays the values out
-        offsets = [struct.calcsize(codes[:i] + c) - struct.calcsize(c) for i, c in enumerate(codes)]
+        offsets = [
+            struct.calcsize("".join(items[: i + 1])) - struct.calcsize(item)
+            for i, item in enumerate(items)
+        ]
         pointers = np.array([base + off for off in offsets], dtype=np.uint64)
         found = buffers[fmt] = (data, pointers, pointers.ctypes.data)
     return found[0], found[2]
@@ -195,8 +223,41 @@ def _tail(p: Problem) -> str:
     return "iiiii" + ("d" if p.dtype in _kernels.EXACT_DTYPES else "f") + "iii"
 
 
+def _tile_maps(
+    p: Problem, infos: tuple, strides: tuple, seqs: tuple, heads: tuple, rows: tuple
+) -> list | None:
+    """TMA tensor maps of the arrays `infos` ((batch, head, seq) element strides `strides`, with
+    `seqs` rows and `heads` heads), read in boxes of `rows` rows; None where the TMA unit cannot
+    read one of them."""
+    from . import _tma
+
+    itemsize = _kernels.ITEMSIZE[p.dtype]
+    maps = []
+    for info, (sb, sh, ss), seq, nheads, box_rows in zip(
+        infos, strides, seqs, heads, rows, strict=True
+    ):
+        shape = (p.head_dim, seq, nheads, p.batch)
+        byte_strides = _tma.tma_strides(shape, (ss, sh, sb), itemsize)
+        if byte_strides is None or info.ptr & 15:
+            return None
+        try:
+            maps.append(_tma.TileMap(shape, byte_strides, box_rows, info.ptr))
+        except _tma.TensorMapError:
+            return None
+    return maps
+
+
+def _persistent_grid(work: int, causal: bool, device_index: int) -> int:
+    """A block per SM; causal work goes in pairs of items per block (kernels_cu/common.cuh)."""
+    return min(_ceil_div(work, 2 if causal else 1), sm_count(device_index))
+
+
 class ForwardPlan:
-    """attention_forward for one call signature (shapes, strides, dtype, device, options)."""
+    """attention_forward for one call signature (shapes, strides, dtype, device, options).
+
+    On Hopper the warp-specialised TMA kernel runs when the TMA unit can read q, k and v (see
+    _tma_setup); otherwise, and for calls whose pointers are not 16-byte aligned, the kernel of
+    kernel_spec's table (loaded on first use when the TMA kernel serves the plan)."""
 
     def __init__(self, p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> None:
         self.p = p
@@ -219,9 +280,6 @@ class ForwardPlan:
         self.work = p.batch * p.heads_q * p.seq_q > 0 and not self.empty_keys
         if not self.work:
             return
-        self.loaded = load(spec_for("forward", p.dtype, p.head_dim, self.device), self.device)
-        blocks = _ceil_div(p.seq_q, self.loaded.spec.rows_per_block)
-        self.grid = blocks * p.batch * p.heads_q
         strides = [p.bhs_strides(x) for x in (qi.strides, ki.strides, vi.strides)]
         strides.append(p.bhs_strides(c_contiguous_strides(p.q_shape)))  # o
         self.strides_aligned = _aligned(p, *strides)
@@ -242,7 +300,86 @@ class ForwardPlan:
             p.scale,
             int(p.causal),
         )
-        self.blocks = blocks
+        self.tma = self.strides_aligned and self._tma_setup(p, (qi, ki, vi), strides[:3])
+        self.loaded = None if self.tma else self._load_table_kernel()
+
+    def _load_table_kernel(self) -> _Loaded:
+        loaded = load(spec_for("forward", self.p.dtype, self.p.head_dim, self.device), self.device)
+        self.blocks = _ceil_div(self.p.seq_q, loaded.spec.rows_per_block)
+        self.grid = self.blocks * self.p.batch * self.p.heads_q
+        self.loaded = loaded
+        return loaded
+
+    def _tma_setup(self, p: Problem, infos: tuple, strides: list) -> bool:
+        """Tensor maps of q, k and v and the persistent grid, where the TMA kernel applies."""
+        spec = _kernels.tma_spec("forward", p.dtype, p.head_dim, device_arch(self.device))
+        if spec is None:
+            return False
+        kv_rows = spec.rows_per_step
+        maps = _tile_maps(
+            p,
+            infos,
+            tuple(strides),
+            (p.seq_q, p.seq_k, p.seq_k),
+            (p.heads_q, p.heads_kv, p.heads_kv),
+            (spec.rows_per_block, kv_rows, kv_rows),
+        )
+        if maps is None:
+            return False
+        self.maps = maps
+        self.tma_loaded = load(spec, self.device)
+        self.tma_blocks = _ceil_div(p.seq_q, spec.rows_per_block)
+        self.tma_work = self.tma_blocks * p.batch * p.heads_q
+        self.tma_grid = _persistent_grid(self.tma_work, p.causal, self.device)
+        self.tma_fmt = "128s128s128s" + self.fmt + "i"
+        return True
+
+    def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> None:
+        aligned = not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
+        if self.tma and aligned:
+            q_map, k_map, v_map = self.maps
+            _launch(
+                self.tma_loaded,
+                self.tma_grid,
+                self.device,
+                self.stream(self.device),
+                self.tma_fmt,
+                (
+                    q_map.bytes_for(q_ptr),
+                    k_map.bytes_for(k_ptr),
+                    v_map.bytes_for(v_ptr),
+                    q_ptr,
+                    k_ptr,
+                    v_ptr,
+                    o_ptr,
+                    lse_ptr,
+                    *self.middle,
+                    1,
+                    self.tma_blocks,
+                    *self.extra,
+                    self.tma_work,
+                ),
+            )
+            return
+        loaded = self.loaded or self._load_table_kernel()
+        _launch(
+            loaded,
+            self.grid,
+            self.device,
+            self.stream(self.device),
+            self.fmt,
+            (
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                o_ptr,
+                lse_ptr,
+                *self.middle,
+                int(self.strides_aligned and aligned),
+                self.blocks,
+                *self.extra,
+            ),
+        )
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
@@ -253,26 +390,7 @@ class ForwardPlan:
         empty_like, contiguous, empty, lse_dtype, device = self._torch_outputs
         o = empty_like(q, memory_format=contiguous)
         lse = empty(self.shapes[2], dtype=lse_dtype, device=device)
-        q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
-        vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
-        _launch(
-            self.loaded,
-            self.grid,
-            self.device,
-            self.stream(self.device),
-            self.fmt,
-            (
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                o_ptr,
-                lse.data_ptr(),
-                *self.middle,
-                int(vec),
-                self.blocks,
-                *self.extra,
-            ),
-        )
+        self._run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
         return o, lse
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int) -> tuple[Any, Any]:
@@ -280,30 +398,16 @@ class ForwardPlan:
         o = self.alloc(o_shape, dtype, 0.0 if self.empty_keys else None)
         lse = self.alloc(lse_shape, lse_dtype, -np.inf if self.empty_keys else None)
         if self.work:
-            vec = self.strides_aligned and not (q_ptr | k_ptr | v_ptr | o.ptr) & 15
-            _launch(
-                self.loaded,
-                self.grid,
-                self.device,
-                self.stream(self.device),
-                self.fmt,
-                (
-                    q_ptr,
-                    k_ptr,
-                    v_ptr,
-                    o.ptr,
-                    lse.ptr,
-                    *self.middle,
-                    int(vec),
-                    self.blocks,
-                    *self.extra,
-                ),
-            )
+            self._run(q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr)
         return self.alloc.result(o), self.alloc.result(lse)
 
 
 class BackwardPlan:
-    """attention_backward for one call signature: preprocess, dK/dV and dQ launches."""
+    """attention_backward for one call signature: preprocess, dK/dV and dQ launches.
+
+    On Hopper the warp-specialised TMA kernels run when the TMA unit can read q, k, v and dO;
+    otherwise, and for calls whose pointers are not 16-byte aligned, the kernels of
+    kernel_spec's table (loaded on first use when the TMA kernels serve the plan)."""
 
     def __init__(
         self,
@@ -326,33 +430,76 @@ class BackwardPlan:
         dev, dt, d = self.device, p.dtype, p.head_dim
         self.delta_dtype = "float64" if dt in _kernels.EXACT_DTYPES else "float32"
         self.pre = load(spec_for("preprocess", dt, d, dev), dev)
-        self.dkdv = load(spec_for("dkdv", dt, d, dev), dev)
-        self.dq = load(spec_for("dq", dt, d, dev), dev)
 
         rows = p.batch * p.heads_q * p.seq_q
-        self.pre_grid = _ceil_div(rows, self.pre.spec.rows_per_block)
-        self.pre_middle = (
-            *p.bhs_strides(oi.strides),
-            *p.bhs_strides(doi.strides),
-            p.heads_q,
-            p.seq_q,
-            d,
-            rows,
-        )
-        s_q, s_k, s_v, s_do = (p.bhs_strides(x.strides) for x in (qi, ki, vi, doi))
+        s_o, s_do = p.bhs_strides(oi.strides), p.bhs_strides(doi.strides)
+        # D = rowsum(dO * O) (kernels_cu/backward_preprocess.cu): 16-byte chunks, as many lanes
+        # per row as the row has chunks (a power of two), where O and dO allow it; else a warp
+        # per row, element by element.
+        self.pre_middle = (*s_o, *s_do, p.heads_q, p.seq_q, d, rows)
+        warps = self.pre.spec.rows_per_block
+        lanes = 32
+        if dt in _kernels.TENSOR_CORE_DTYPES and _aligned(p, s_o, s_do):
+            lanes = 1 << max(0, math.ceil(math.log2(_ceil_div(d, _chunk(p)))))
+        self.pre_vec = (_ceil_div(rows, warps * (32 // lanes)), lanes, int(lanes < 32))
+        self.pre_scalar = (_ceil_div(rows, warps), 32, 0)
+        s_q, s_k, s_v = (p.bhs_strides(x.strides) for x in (qi, ki, vi))
         s_lse = (0, 0, lsei.strides[0]) if p.two_d else tuple(lsei.strides)
         s_dq = p.bhs_strides(c_contiguous_strides(p.q_shape))
-        s_dkv = p.bhs_strides(c_contiguous_strides(p.kv_shape))
+        s_dkv = p.bhs_strides(c_contiguous_strides(p.kv_shape))  # dk and dv alike
         self.strides_aligned = _aligned(p, s_q, s_k, s_v, s_do, s_dq, s_dkv)
         options = (p.heads_q, p.group, p.seq_q, p.seq_k, d, p.scale, int(p.causal))
-        self.dkdv_blocks = _ceil_div(p.seq_k, self.dkdv.spec.rows_per_block)
-        self.dq_blocks = _ceil_div(p.seq_q, self.dq.spec.rows_per_block)
         inputs = (*s_q, *s_k, *s_v, *s_do, *s_lse)
         self.dkdv_middle = (*inputs, *s_dkv, *s_dkv, *options)
         self.dq_middle = (*inputs, *s_dq, *options)
-        self.fmt_pre = "3Q6qiiiq"
+        self.fmt_pre = "3Q6qiiiqii"
         self.fmt_dkdv = "8Q21q" + _tail(p)
         self.fmt_dq = "7Q18q" + _tail(p)
+        self.tma = self.strides_aligned and self._tma_setup(
+            p, (qi, ki, vi, doi), (s_q, s_k, s_v, s_do)
+        )
+        self.dkdv = self.dq = None
+        if not self.tma:
+            self._load_table_kernels()
+
+    def _load_table_kernels(self) -> tuple[_Loaded, _Loaded]:
+        p, dev = self.p, self.device
+        dkdv = load(spec_for("dkdv", p.dtype, p.head_dim, dev), dev)
+        dq = load(spec_for("dq", p.dtype, p.head_dim, dev), dev)
+        self.dkdv_blocks = _ceil_div(p.seq_k, dkdv.spec.rows_per_block)
+        self.dq_blocks = _ceil_div(p.seq_q, dq.spec.rows_per_block)
+        self.dkdv, self.dq = dkdv, dq
+        return dkdv, dq
+
+    def _tma_setup(self, p: Problem, infos: tuple, strides: tuple) -> bool:
+        """Tensor maps of q, k, v and dO (boxes of 64 rows, kernels_cu/backward_sm90_tma.cu) and
+        the persistent grids, where the TMA kernels apply."""
+        arch = device_arch(self.device)
+        dq = _kernels.tma_spec("dq", p.dtype, p.head_dim, arch)
+        dkdv = _kernels.tma_spec("dkdv", p.dtype, p.head_dim, arch)
+        if dq is None or dkdv is None:
+            return False
+        maps = _tile_maps(
+            p,
+            infos,
+            strides,
+            (p.seq_q, p.seq_k, p.seq_k, p.seq_q),
+            (p.heads_q, p.heads_kv, p.heads_kv, p.heads_q),
+            (64, 64, 64, 64),
+        )
+        if maps is None:
+            return False
+        self.maps = maps
+        self.tma_dq, self.tma_dkdv = load(dq, self.device), load(dkdv, self.device)
+        self.tma_dq_blocks = _ceil_div(p.seq_q, dq.rows_per_block)
+        self.tma_dkdv_blocks = _ceil_div(p.seq_k, dkdv.rows_per_block)
+        self.tma_dq_work = self.tma_dq_blocks * p.batch * p.heads_q
+        self.tma_dkdv_work = self.tma_dkdv_blocks * p.batch * p.heads_kv
+        self.tma_dq_grid = _persistent_grid(self.tma_dq_work, p.causal, self.device)
+        self.tma_dkdv_grid = _persistent_grid(self.tma_dkdv_work, p.causal, self.device)
+        self.tma_fmt_dq = "128s" * 4 + self.fmt_dq + "i"
+        self.tma_fmt_dkdv = "128s" * 4 + self.fmt_dkdv + "i"
+        return True
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
@@ -372,37 +519,78 @@ class BackwardPlan:
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc((p.batch, p.heads_q, p.seq_q), self.delta_dtype)
+            grid, lanes, vec = self.pre_vec if not (o_ptr | do_ptr) & 15 else self.pre_scalar
             _launch(
                 self.pre,
-                self.pre_grid,
+                grid,
                 dev,
                 stream,
                 self.fmt_pre,
-                (o_ptr, do_ptr, delta.ptr, *self.pre_middle),
+                (o_ptr, do_ptr, delta.ptr, *self.pre_middle, lanes, vec),
             )
-            vec = int(
-                self.strides_aligned
-                and not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15
-            )
+            aligned = not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15
             inputs = (q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta.ptr)
-            grid = self.dkdv_blocks * p.batch * p.heads_kv
-            _launch(
-                self.dkdv,
-                grid,
-                dev,
-                stream,
-                self.fmt_dkdv,
-                (*inputs, dk.ptr, dv.ptr, *self.dkdv_middle, vec, self.dkdv_blocks),
-            )
-            grid = self.dq_blocks * p.batch * p.heads_q
-            _launch(
-                self.dq,
-                grid,
-                dev,
-                stream,
-                self.fmt_dq,
-                (*inputs, dq.ptr, *self.dq_middle, vec, self.dq_blocks),
-            )
+            if self.tma and aligned:
+                maps = tuple(
+                    m.bytes_for(ptr)
+                    for m, ptr in zip(self.maps, (q_ptr, k_ptr, v_ptr, do_ptr), strict=True)
+                )
+                _launch(
+                    self.tma_dkdv,
+                    self.tma_dkdv_grid,
+                    dev,
+                    stream,
+                    self.tma_fmt_dkdv,
+                    (
+                        *maps,
+                        *inputs,
+                        dk.ptr,
+                        dv.ptr,
+                        *self.dkdv_middle,
+                        1,
+                        self.tma_dkdv_blocks,
+                        self.tma_dkdv_work,
+                    ),
+                )
+                _launch(
+                    self.tma_dq,
+                    self.tma_dq_grid,
+                    dev,
+                    stream,
+                    self.tma_fmt_dq,
+                    (
+                        *maps,
+                        *inputs,
+                        dq.ptr,
+                        *self.dq_middle,
+                        1,
+                        self.tma_dq_blocks,
+                        self.tma_dq_work,
+                    ),
+                )
+            else:
+                dkdv_kernel, dq_kernel = (
+                    (self.dkdv, self.dq) if self.dkdv is not None else self._load_table_kernels()
+                )
+                vec = int(self.strides_aligned and aligned)
+                grid = self.dkdv_blocks * p.batch * p.heads_kv
+                _launch(
+                    dkdv_kernel,
+                    grid,
+                    dev,
+                    stream,
+                    self.fmt_dkdv,
+                    (*inputs, dk.ptr, dv.ptr, *self.dkdv_middle, vec, self.dkdv_blocks),
+                )
+                grid = self.dq_blocks * p.batch * p.heads_q
+                _launch(
+                    dq_kernel,
+                    grid,
+                    dev,
+                    stream,
+                    self.fmt_dq,
+                    (*inputs, dq.ptr, *self.dq_middle, vec, self.dq_blocks),
+                )
         result = self.alloc.result
         return result(dq), result(dk), result(dv)
 

@@ -35,6 +35,9 @@ _CPP_ELEM = {
 _SOURCE_FILE = {
     ("forward", "mma"): "forward.cu",
     ("forward", "wgmma"): "forward_sm90.cu",
+    ("forward", "tma"): "forward_sm90_tma.cu",
+    ("dq", "tma"): "backward_sm90_tma.cu",
+    ("dkdv", "tma"): "backward_sm90_tma.cu",
     ("dq", "wgmma"): "backward_sm90.cu",
     ("dkdv", "wgmma"): "backward_sm90.cu",
     ("dq", "mma"): "backward_dq.cu",
@@ -47,6 +50,9 @@ _SOURCE_FILE = {
 _TEMPLATE = {
     ("forward", "mma"): "attention_forward_mma",
     ("forward", "wgmma"): "attention_forward_wgmma",
+    ("forward", "tma"): "attention_forward_tma",
+    ("dq", "tma"): "attention_backward_dq_tma",
+    ("dkdv", "tma"): "attention_backward_dkdv_tma",
     ("dq", "wgmma"): "attention_backward_dq_wgmma",
     ("dkdv", "wgmma"): "attention_backward_dkdv_wgmma",
     ("dq", "mma"): "attention_backward_dq_mma",
@@ -56,7 +62,7 @@ _TEMPLATE = {
     ("dkdv", "exact"): "attention_backward_dkdv_exact",
     ("preprocess", "any"): "attention_backward_preprocess",
 }
-PREPROCESS_ROWS_PER_BLOCK = 8  # kernels_cu/backward_preprocess.cu
+PREPROCESS_WARPS = 8  # kernels_cu/backward_preprocess.cu
 
 # Tensor-core tile shapes per head-dim bucket. forward/dq: (BM, BN, warps);
 # dkdv: (BM, BN, warps, DSPLIT). Chosen with bench/sweep_tiles.py on an H100 (bench/NOTES.md)
@@ -108,7 +114,19 @@ _WGMMA_TILES = {
     "dq": {64: (192, 64), 128: (192, 64)},
     "dkdv": {64: (64, 192), 128: (64, 128)},
 }
+# The warp-specialised Hopper kernels (kernels_cu/forward_sm90_tma.cu, backward_sm90_tma.cu):
+# (BM, BN, STAGES) with one producer warpgroup that loads the tiles with the TMA unit and
+# consumer warpgroups of 64 rows each: BM / 64 of them for forward and dq (query rows), BN / 64
+# for dkdv (keys); STAGES buffers of the streamed tiles. They run where the TMA unit can read the
+# inputs (16-byte aligned base and strides, d a multiple of 8: cuflash/_tma.py); the kernels of
+# the tables above serve every other call.
+_TMA_TILES = {
+    "forward": {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)},
+    "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
+    "dkdv": {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
+}
 _wgmma_enabled = True
+_tma_enabled = True
 
 
 def set_wgmma(enabled: bool) -> None:
@@ -116,6 +134,14 @@ def set_wgmma(enabled: bool) -> None:
     global _wgmma_enabled
     _wgmma_enabled = bool(enabled)
     kernel_spec.cache_clear()
+    tma_spec.cache_clear()
+
+
+def set_tma(enabled: bool) -> None:
+    """Use the TMA forward on sm_90a where it applies (default), or the cp.async one."""
+    global _tma_enabled
+    _tma_enabled = bool(enabled)
+    tma_spec.cache_clear()
 
 
 # Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN. The exact path
@@ -155,6 +181,7 @@ def set_tile_override(family: str, dtype: str, bucket: int, tiles: tuple[int, ..
     else:
         _overrides[(family, dtype, bucket)] = tuple(tiles)
     kernel_spec.cache_clear()
+    tma_spec.cache_clear()
 
 
 def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:
@@ -163,6 +190,8 @@ def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:
         return found
     if family.endswith("_sm90"):
         return _WGMMA_TILES[family[: -len("_sm90")]][hd]
+    if family.endswith("_tma"):
+        return _TMA_TILES[family[: -len("_tma")]][hd]
     if dtype in TENSOR_CORE_DTYPES:
         return _MMA_TILES[family][hd]
     return _EXACT_TILES[dtype][hd]
@@ -212,9 +241,9 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
             0,
             _SOURCE_FILE[key],
             f"cuflash::{_TEMPLATE[key]}<{elem}>",
-            PREPROCESS_ROWS_PER_BLOCK * 32,
+            PREPROCESS_WARPS * 32,
             0,
-            PREPROCESS_ROWS_PER_BLOCK,
+            PREPROCESS_WARPS,  # rows with one warp per row (lanes_per_row = 32)
             0,
         )
     hd = head_dim_bucket(head_dim)
@@ -263,6 +292,51 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
     return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, bm * tpr, smem, bm, bn)
 
 
+@cache
+def tma_spec(family: str, dtype: str, head_dim: int, arch: str) -> KernelSpec | None:
+    """The warp-specialised TMA instance for `family` on `arch`, or None where there is none.
+    A plan runs it for the calls whose arrays the TMA unit can read, and kernel_spec's instance
+    for the others."""
+    hd = head_dim_bucket(head_dim)
+    if not (uses_tma(family, arch, hd) and dtype in TENSOR_CORE_DTYPES):
+        return None
+    bm, bn, stages = _tiles(family + "_tma", dtype, hd)
+    key = (family, "tma")
+    expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}>"
+    row_bytes = hd * ITEMSIZE[dtype]
+    bufs = 1 if hd > 128 else 2  # buffers of the backward's per-item tiles (ItemBuffers)
+    # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
+    if family == "forward":  # Q; K and V per stage; q_full, q_empty and three per stage
+        smem = (bm + 2 * stages * bn) * row_bytes + 8 * (2 + 3 * stages) + 1024
+        threads = (bm // 64 + 1) * 128
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn)
+    if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
+        smem = (2 * bufs * bm + 2 * stages * bn) * row_bytes + 8 * bufs * bm
+        smem += 8 * (2 * bufs + 2 * stages) + 1024
+        threads = (bm // 64 + 1) * 128
+        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn)
+    # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each. The block owns BN keys:
+    # 64 per consumer warpgroup, or (hd > 128) 64 shared by two warpgroups that split the head
+    # dim and exchange P^T and dS^T (rounded, and P^T in float32) through shared memory.
+    split = hd > 128
+    smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
+    smem += (64 * bm * (2 * ITEMSIZE[dtype] + 4) if split else 0) + 8 * (2 * bufs + 2 * stages)
+    smem += 1024
+    threads = ((2 if split else bn // 64) + 1) * 128
+    return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bn, bm)
+
+
+def uses_tma(family: str, arch: str, bucket: int) -> bool:
+    """Whether `family` has a TMA (warp-specialised) kernel for this head-dim bucket on `arch`;
+    it runs where the arrays allow TMA reads."""
+    return (
+        _wgmma_enabled
+        and _tma_enabled
+        and arch == "sm_90a"
+        and bucket in _TMA_TILES.get(family, {})
+    )
+
+
 def uses_wgmma(family: str, arch: str, bucket: int) -> bool:
     """Whether `family` runs its Hopper (wgmma) kernel for this head-dim bucket on `arch`."""
     return _wgmma_enabled and arch == "sm_90a" and bucket in _WGMMA_TILES.get(family, {})
@@ -274,7 +348,13 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             specs.extend(kernel_spec(family, dt, hd, arch) for hd in HEAD_DIM_BUCKETS)
-    return specs
+    tma = {
+        tma_spec(f, dt, hd, arch)
+        for f in FAMILIES[:1] + FAMILIES[2:]
+        for dt in DTYPES
+        for hd in HEAD_DIM_BUCKETS
+    }
+    return specs + sorted((s for s in tma if s is not None), key=lambda s: s.name_expression)
 
 
 # ---------------------------------------------------------------------------------------------

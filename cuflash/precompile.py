@@ -21,7 +21,12 @@ def _compile_one(args: tuple[str, str, int]) -> tuple[str, float]:
     family, dtype, head_dim = args
     from . import _cuda
 
-    spec = _cuda.spec_for(family, dtype, head_dim, 0)
+    if family.endswith("_tma"):  # the TMA instances that serve aligned calls on Hopper
+        spec = _kernels.tma_spec(family[: -len("_tma")], dtype, head_dim, _cuda.device_arch(0))
+        if spec is None:
+            return f"(no {family} instance for {dtype} d={head_dim})", 0.0
+    else:
+        spec = _cuda.spec_for(family, dtype, head_dim, 0)
     start = time.perf_counter()
     _cuda.load(spec, 0)
     return spec.name_expression, time.perf_counter() - start
@@ -30,7 +35,10 @@ def _compile_one(args: tuple[str, str, int]) -> tuple[str, float]:
 def selected(dtypes: list[str], head_dims: list[int]) -> list[tuple[str, str, int]]:
     work = [("preprocess", dt, 0) for dt in dtypes]
     work += [
-        (fam, dt, hd) for fam in ("forward", "dkdv", "dq") for dt in dtypes for hd in head_dims
+        (fam, dt, hd)
+        for fam in ("forward", "forward_tma", "dkdv", "dkdv_tma", "dq", "dq_tma")
+        for dt in dtypes
+        for hd in head_dims
     ]
     # the slowest (large head dims, tensor-core kernels) first
     return sorted(work, key=lambda w: (-w[2], w[1] not in _kernels.TENSOR_CORE_DTYPES))
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     work = selected(args.dtype, args.head_dim)
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        times = list(pool.map(_compile_one, work))
+        times = [t for t in pool.map(_compile_one, work) if not t[0].startswith("(no ")]
     for name, seconds in sorted(times, key=lambda t: -t[1]):
         print(f"{seconds:6.2f} s  {name}")
     print(

@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
     __syncwarp();
     const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
     recompute_dkdv_rows<Elem, HD, Tr::HD_WARP>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
-                                               PITCH, repair, scale, blk.scale_log2, qs,
+                                               PITCH, Tr::HD_WARP, repair, scale, blk.scale_log2, qs,
                                                bc.head * group, group, HeadRows{k_head, k_ss},
                                                HeadRows{v_head, v_ss}, blk.n0 + blk.key_row0,
                                                blk.col0, tiles.first * BM, nq, nk, d, blk.causal,

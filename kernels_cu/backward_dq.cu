@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
   stage_accumulators<Elem, MT, Tr::NT_D, PITCH>(stage, blk.acc_dq, scale, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dq_rows<Elem, HD, MT>(stage, PITCH, repair, scale, blk.scale_log2, HeadRows{q_head, q_ss},
+    recompute_dq_rows<Elem, HD, MT>(stage, PITCH, HD, repair, scale, blk.scale_log2, HeadRows{q_head, q_ss},
                                     HeadRows{do_head, do_ss}, HeadRows{blk.k_head, k_ss},
                                     HeadRows{blk.v_head, v_ss}, lse_head, lse_ss, delta_head,
                                     blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk, d,

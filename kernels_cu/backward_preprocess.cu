@@ -1,38 +1,62 @@
 // backward_preprocess.cu: D_i = rowsum(dO_i * O_i), the first step of the backward pass.
 //
-// One warp per row: the lanes stride over the head dimension and reduce with shuffles. D is
-// accumulated in the accumulator type (float32 for 16-bit inputs, float64 for the exact path's
-// float32 and float64) and written contiguously as (B, Hq, Nq).
+// A row is reduced by `lanes_per_row` lanes of a warp (a power of two, 1 .. 32), so a warp covers
+// 32 / lanes_per_row rows; the lanes stride over the head dimension and reduce with shuffles. With
+// `vec` (16-bit elements, 16-byte aligned rows: the host checks) each lane reads 16-byte chunks of
+// 8 elements, so that a short row (d = 64: 8 lanes) still moves enough bytes per load to keep the
+// memory busy; otherwise element by element (lanes_per_row = 32). D is accumulated in the
+// accumulator type (float32 for 16-bit inputs, float64 for the exact path's float32 and float64)
+// and written contiguously as (B, Hq, Nq).
 #include "common.cuh"
 
 namespace cuflash {
 
-constexpr int PREPROCESS_ROWS_PER_BLOCK = 8;
+constexpr int PREPROCESS_WARPS = 8;
 
 template <typename Elem>
-__global__ void __launch_bounds__(PREPROCESS_ROWS_PER_BLOCK * 32)
+__global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
     attention_backward_preprocess(const typename ElemTraits<Elem>::storage* __restrict__ o,
                                   const typename ElemTraits<Elem>::storage* __restrict__ dout,
                                   typename ElemTraits<Elem>::acc* __restrict__ delta, i64 o_sb,
                                   i64 o_sh, i64 o_ss, i64 do_sb, i64 do_sh, i64 do_ss, int hq,
-                                  int nq, int d, i64 rows) {
+                                  int nq, int d, i64 rows, int lanes_per_row, int vec) {
   typedef typename ElemTraits<Elem>::acc Acc;
-  const int lane = threadIdx.x & 31;
-  const i64 row = static_cast<i64>(blockIdx.x) * PREPROCESS_ROWS_PER_BLOCK + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const i64 bh = row / nq;
-  const int i = static_cast<int>(row - bh * nq);
-  const int b = static_cast<int>(bh / hq);
-  const int h = static_cast<int>(bh - static_cast<i64>(b) * hq);
-  const auto* o_row = o + b * o_sb + h * o_sh + i * o_ss;
-  const auto* do_row = dout + b * do_sb + h * do_sh + i * do_ss;
+  typedef typename ElemTraits<Elem>::storage Storage;
+  const int lane = threadIdx.x & 31, sub = lane & (lanes_per_row - 1);
+  const i64 warp = static_cast<i64>(blockIdx.x) * PREPROCESS_WARPS + (threadIdx.x >> 5);
+  const i64 row = warp * (32 / lanes_per_row) + lane / lanes_per_row;
   Acc sum = Acc(0);
-  for (int c = lane; c < d; c += 32) {
-    sum += ElemTraits<Elem>::to_acc(o_row[c]) * ElemTraits<Elem>::to_acc(do_row[c]);
-  }
+  if (row < rows) {
+    const i64 bh = row / nq;
+    const int i = static_cast<int>(row - bh * nq);
+    const int b = static_cast<int>(bh / hq);
+    const int h = static_cast<int>(bh - static_cast<i64>(b) * hq);
+    const Storage* o_row = o + b * o_sb + h * o_sh + i * o_ss;
+    const Storage* do_row = dout + b * do_sb + h * do_sh + i * do_ss;
+    bool done = false;
+    if constexpr (sizeof(Storage) == 2) {
+      if (vec) {
+        for (int c = sub * 8; c < d; c += lanes_per_row * 8) {
+          const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+          const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+          const unsigned ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) delta[row] = sum;
+          for (int w = 0; w < 4; ++w) {
+            sum += ElemTraits<Elem>::to_acc(static_cast<unsigned short>(ow[w] & 0xffffu)) *
+                   ElemTraits<Elem>::to_acc(static_cast<unsigned short>(dw[w] & 0xffffu));
+            sum += ElemTraits<Elem>::to_acc(static_cast<unsigned short>(ow[w] >> 16)) *
+                   ElemTraits<Elem>::to_acc(static_cast<unsigned short>(dw[w] >> 16));
+          }
+        }
+        done = true;
+      }
+    }
+    if (!done)
+      for (int c = sub; c < d; c += lanes_per_row)
+        sum += ElemTraits<Elem>::to_acc(o_row[c]) * ElemTraits<Elem>::to_acc(do_row[c]);
+  }
+  for (int off = lanes_per_row >> 1; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (sub == 0 && row < rows) delta[row] = sum;
 }
 
 }  // namespace cuflash

@@ -17,40 +17,9 @@
 #include "gemm.cuh"
 #include "wgmma.cuh"
 #include "repair.cuh"
+#include "backward_sm90.cuh"
 
 namespace cuflash {
-
-// Issues C (+)= A B^T over the head dim for one warpgroup: A = 64 rows of a swizzled tile of
-// A_ROWS rows starting at row a_row0, B = a whole swizzled tile of N rows. No commit, no wait.
-template <typename Elem, int HD, int A_ROWS, int N>
-__device__ __forceinline__ void wgmma_abt_head_dim(float (&c)[N / 8][4], const unsigned char* a_tile,
-                                                   int a_row0, const unsigned char* b_tile) {
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
-    const int block = kk >> 2, within = (kk & 3) * 32;
-    wgmma_ss<Elem, N>(c, smem_desc(a_tile + block * (A_ROWS * 128) + a_row0 * 128 + within, 16, 1024),
-                      smem_desc(b_tile + block * (N * 128) + within, 16, 1024), kk > 0);
-  }
-}
-
-// Issues C += P B for one warpgroup: P = K_ROWS / 16 A fragments (registers), B = a swizzled tile
-// of K_ROWS rows read MN-major (its head dim is C's N). No commit, no wait.
-template <typename Elem, int HD, int K_ROWS>
-__device__ __forceinline__ void wgmma_pb(float (&c)[HD / 8][4], const unsigned (&p)[K_ROWS / 16][4],
-                                         const unsigned char* b_tile) {
-#pragma unroll
-  for (int kk = 0; kk < K_ROWS / 16; ++kk)
-    wgmma_rs<Elem, HD>(c, p[kk], smem_desc(b_tile + kk * 2048, K_ROWS * 128, 1024), 1);
-}
-
-// Keeps A fragments alive (unmodified) until the wgmma that reads them has been waited for.
-template <int K>
-__device__ __forceinline__ void keep_fragments(unsigned (&p)[K][4]) {
-#pragma unroll
-  for (int kk = 0; kk < K; ++kk)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
-}
 
 // ---------------------------------------------------------------------------------------------
 // dQ
@@ -178,7 +147,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_out + warp_row0 * PITCH, acc, scale, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, repair, scale, scale_log2,
+    recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, HD, repair, scale, scale_log2,
                                    HeadRows{q_head, q_ss}, HeadRows{do_head, do_ss},
                                    HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, lse_head, lse_ss,
                                    delta_head, m0 + warp_row0, min(tiles.count * BN, nk), nq, nk, d,
@@ -337,7 +306,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
-    recompute_dkdv_rows<Elem, HD, HD>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, repair,
+    recompute_dkdv_rows<Elem, HD, HD>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, HD, repair,
                                       scale, scale_log2, qs, bc.head * group, group,
                                       HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, n0 + key_row0,
                                       0, tiles.first * BM, nq, nk, d, is_causal, lane);

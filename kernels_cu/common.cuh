@@ -22,6 +22,16 @@ template <> __device__ __forceinline__ double infinity<double>() { return inf_f6
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Select<C, A, B>::type is A when C holds, else B (NVRTC has no <type_traits>).
+template <bool C, typename A, typename B>
+struct Select {
+  typedef A type;
+};
+template <typename A, typename B>
+struct Select<false, A, B> {
+  typedef B type;
+};
+
 // ElemTraits<E>: how an element format is stored in memory, which type accumulates it, and the
 // conversions between the two. D (the backward's rowsum(dO * O)) is stored in the accumulator type.
 template <typename E> struct ElemTraits;
@@ -106,8 +116,8 @@ struct BlockCoords {
   int batch, head, block;
 };
 
-__device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
-  const i64 bid = blockIdx.x;
+// Work item `bid` of a flat list in that order (a persistent kernel walks the list itself).
+__device__ __forceinline__ BlockCoords decode_work(i64 bid, int heads, int num_blocks) {
   BlockCoords c;
   const i64 bh = bid / num_blocks;
   c.block = num_blocks - 1 - static_cast<int>(bid - bh * num_blocks);
@@ -115,5 +125,42 @@ __device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
   c.head = static_cast<int>(bh - static_cast<i64>(c.batch) * heads);
   return c;
 }
+
+__device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
+  return decode_work(blockIdx.x, heads, num_blocks);
+}
+
+// The persistent kernels' work list. Under causal masking row block b of a head costs about
+// b + 1 key tiles, so a plain stride over decode_work's order can hand one SM the heavy blocks
+// every time (when the grid is a multiple of the blocks per head). Here the blocks of a head
+// come in pairs, heaviest with lightest (M-1, 0, M-2, 1, ...), and with `paired` (causal) each
+// block takes two consecutive items per round, so that every SM's pairs cost about the same;
+// without, equal items are taken with a stride of the grid. Heads stay adjacent, so the blocks
+// running at one time share K and V in L2.
+__device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int heads, int num_blocks) {
+  BlockCoords c;
+  const i64 bh = item / num_blocks;
+  const int pos = static_cast<int>(item - bh * num_blocks);
+  c.block = (pos & 1) ? pos >> 1 : num_blocks - 1 - (pos >> 1);
+  c.batch = static_cast<int>(bh / heads);
+  c.head = static_cast<int>(bh - static_cast<i64>(c.batch) * heads);
+  return c;
+}
+
+// The first item of this block's step `step` (0, 1, 2, ...) and whether the walk is over. Paired:
+// items 2 i, 2 i + 1 of each round of 2 G (G = gridDim.x); else item i of each round of G. A step
+// may give an item >= num_work (skip it); the walk ends at the first round past the list.
+struct WorkWalk {
+  i64 num_work;
+  bool paired;
+  __device__ __forceinline__ i64 item(int step) const {
+    const i64 grid = gridDim.x;
+    return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
+  }
+  __device__ __forceinline__ bool done(int step) const {
+    const i64 grid = gridDim.x;
+    return (paired ? 2 * grid * (step >> 1) : grid * step) >= num_work;
+  }
+};
 
 }  // namespace cuflash

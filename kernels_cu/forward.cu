@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
   const unsigned repair = masked > 0 ? unpark_flags(lse_flag_slot(lse_row_g, real_row_g, lane)) : 0u;
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, repair, lse_rows, blk.scale_log2,
+    recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, HD, repair, lse_rows, blk.scale_log2,
                                          HeadRows{q_head, q_ss}, HeadRows{blk.k_head, k_ss},
                                          HeadRows{blk.v_head, v_ss}, blk.m0 + blk.warp_row0,
                                          min(tiles.count * BN, nk), nq, nk, d, blk.causal, lane);

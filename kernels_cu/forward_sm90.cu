@@ -3,96 +3,21 @@
 // forward.cu: writes O and lse, any Nq, Nk, d <= HD, causal bottom-right, grouped heads, strides.
 //
 // One thread block owns BM = 64 * WARPGROUPS query rows of one (batch, head); each warpgroup owns
-// 64 of them. Q stays in shared memory (wgmma reads its A operand from there); K_j and V_j stream
-// through two shared-memory stages with cp.async, so tile j + 1 loads while tile j is computed.
-// Per key tile a warpgroup issues S = Q K_j^T (A and B from shared memory), applies the online
-// softmax in registers, and issues O += P V_j with P as a register A operand and V_j read
-// transposed (MN-major) from shared memory: no shared-memory round trip for P, no transposed copy.
+// 64 of them (the loop body is forward_sm90.cuh). Q stays in shared memory (wgmma reads its A
+// operand from there); K_j and V_j stream through two shared-memory stages with cp.async issued by
+// every thread, so tile j + 1 loads while tile j is computed, with one block-wide barrier per
+// tile. It reads any strides and head dim; where the TMA unit can read the inputs (16-byte
+// aligned rows), forward_sm90_tma.cu runs instead.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile.cuh"
 #include "mask.cuh"
-#include "softmax.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
 #include "repair.cuh"
+#include "forward_sm90.cuh"
 
 namespace cuflash {
-
-template <typename Elem, int HD, int BM, int BN>
-struct Sm90ForwardTraits {
-  static constexpr int WARPGROUPS = BM / 64;
-  static constexpr int NTHREADS = WARPGROUPS * 128;
-  static constexpr int NT_S = BN / 8, NT_O = HD / 8;
-  static constexpr int K_QK = HD / 16, K_PV = BN / 16;
-  static constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;  // one tile, swizzled
-  static constexpr int PITCH = HD + 8;  // the epilogue's staging tile (gemm.cuh layout)
-  static_assert(HD % 64 == 0, "swizzled tiles are built from 64-column blocks");
-  static_assert(BM % 64 == 0 && BN % 16 == 0 && BN <= 256 && HD <= 256, "wgmma shapes");
-  static_assert(BM * PITCH * 2 <= Q_BYTES + 4 * KV_BYTES, "staging tile fits the pipeline buffers");
-};
-
-template <typename Tr, typename Elem, int HD, int BM, int BN>
-struct Sm90ForwardBlock {
-  const unsigned char *sQ, *sK, *sV;  // sQ: the whole Q tile; sK, sV: stage 0 of two
-  int m0, nq, nk, lane, warp_row0, wg;
-  bool causal;
-  float scale_log2;
-  float acc_o[1][Tr::NT_O][4];
-  OnlineSoftmax<1> softmax;
-
-  // S_ij = -inf where query i may not see key j (causal diagonal, keys past the end).
-  __device__ __forceinline__ void apply_mask(float (&s)[1][Tr::NT_S][4], int n0) const {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < Tr::NT_S; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = m0 + warp_row0 + g + ((e >> 1) << 3);
-        const int j = n0 + nt * 8 + 2 * t + (e & 1);
-        if (!key_visible(i, j, nq, nk, causal)) s[0][nt][e] = -inf_f32();
-      }
-  }
-
-  // Key tile j, which sits in pipeline stage `stage`.
-  template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int stage) {
-    const unsigned char* k_tile = sK + stage * Tr::KV_BYTES;
-    const unsigned char* v_tile = sV + stage * Tr::KV_BYTES;
-    // S = Q K_j^T: k16 step kk reads 32 bytes of every row, in column block kk / 4.
-    float s[1][Tr::NT_S][4];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tr::K_QK; ++kk) {
-      const int block = kk >> 2, within = (kk & 3) * 32;
-      const unsigned long long dq =
-          smem_desc(sQ + block * (BM * 128) + wg * (64 * 128) + within, 16, 1024);
-      const unsigned long long dk = smem_desc(k_tile + block * (BN * 128) + within, 16, 1024);
-      wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(s[0]);
-    if constexpr (MASKED) apply_mask(s, j * BN);
-    softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
-    // O += P V_j: k16 step kk covers keys 16kk .. 16kk + 15, rows of V_j 2048 bytes apart.
-    unsigned p[Tr::K_PV][4];
-#pragma unroll
-    for (int kk = 0; kk < Tr::K_PV; ++kk) accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tr::K_PV; ++kk)
-      wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc_o[0]);
-    // The A registers are read by the tensor cores until the wait: keep them alive until here.
-#pragma unroll
-    for (int kk = 0; kk < Tr::K_PV; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
-  }
-};
 
 template <typename Elem, int HD, int BM, int BN>
 __global__ void __launch_bounds__(BM * 2, 1)
@@ -103,6 +28,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
                             i64 o_ss, int hq, int group, int nq, int nk, int d, float scale,
                             int causal, int vec, int num_m_blocks, float p_shift) {
   typedef Sm90ForwardTraits<Elem, HD, BM, BN> Tr;
+  static_assert(BM * Tr::PITCH * 2 <= Tr::Q_BYTES + 4 * Tr::KV_BYTES, "staging tile fits the buffers");
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -178,7 +104,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const unsigned repair = masked > 0 ? unpark_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane)) : 0u;
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, repair,
+    recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, HD, repair,
                                         lse_rows, blk.scale_log2, HeadRows{q_head, q_ss},
                                         HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss},
                                         blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk,

@@ -13,6 +13,11 @@ __device__ __forceinline__ bool key_visible(int i, int j, int nq, int nk, bool c
   return j < nk && (!causal || j <= i + (nk - nq));
 }
 
+// The last key query i sees (key_visible(i, j) == j <= last_visible_key(i)); negative if none.
+__device__ __forceinline__ int last_visible_key(int i, int nq, int nk, bool causal) {
+  return causal ? min(nk - 1, i + (nk - nq)) : nk - 1;
+}
+
 // Key tiles for the query rows [m0, m0 + bm): tiles [0, full) need no mask, tiles [full, count)
 // need it, tiles >= count are invisible to every (real) row of the block.
 struct KeyTiles {

@@ -188,10 +188,10 @@ __device__ __forceinline__ void lane_store(unsigned short* dst, const float (&ou
 
 // Forward: flagged rows recomputed whole over every key [0, key_end) they see, from the lse the
 // main loop found (correct: the scores are masked with a select, so no 0 * NaN reaches it), and
-// written over their normalised rows of the staging tile (row rl of this warp at stage +
-// rl * pitch). lse_rows: this lane's rows' lse (natural log).
-template <typename Elem, int HD, int MT>
-__device__ __forceinline__ void recompute_forward_rows(unsigned short* stage, int pitch,
+// written over their normalised rows (row rl of this warp at out + rl * pitch, columns [0, width):
+// a staging tile in shared memory, or O itself). lse_rows: this lane's rows' lse (natural log).
+template <typename Elem, int HD, int MT, typename Pitch>
+__device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitch pitch, int width,
                                                        unsigned rows, const float (&lse_rows)[MT][2],
                                                        float scale_log2, HeadRows q, HeadRows k,
                                                        HeadRows v, int row0, int key_end, int nq,
@@ -203,26 +203,27 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* stage, in
     if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
     const float lse2 = row_value<MT>(lse_rows, rl) * 1.4426950408889634f;
     if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
-    float out[CPL];
+    float acc[CPL];
 #pragma unroll
-    for (int n = 0; n < CPL; ++n) out[n] = 0.f;
+    for (int n = 0; n < CPL; ++n) acc[n] = 0.f;
     const unsigned short* q_row = q.row(i);
 #pragma unroll 1
     for (int j = 0; j < key_end; ++j) {
       if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
       const float p = fast_exp2(fmaf(warp_sum(lane_dot<Elem, CPL>(q_row, k.row(j), d, lane)),
                                      scale_log2, -lse2));
-      lane_axpy<Elem, CPL>(out, p, v.row(j), 0, HD, d, lane);
+      lane_axpy<Elem, CPL>(acc, p, v.row(j), 0, HD, d, lane);
     }
-    lane_store<Elem, CPL>(stage + rl * pitch, out, 1.f, HD, lane);
+    lane_store<Elem, CPL>(out + rl * pitch, acc, 1.f, width, lane);
   }
 }
 
 // dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys [0, key_end)
 // row i sees, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i), written over
-// the staged dQ rows (row rl of this warp at stage + rl * pitch).
-template <typename Elem, int HD, int MT>
-__device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pitch, unsigned rows,
+// the dQ rows (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile or dQ).
+template <typename Elem, int HD, int MT, typename Pitch>
+__device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pitch, int width,
+                                                  unsigned rows,
                                                   float scale, float scale_log2, HeadRows q,
                                                   HeadRows dout, HeadRows k, HeadRows v,
                                                   const float* lse_head, i64 lse_ss,
@@ -234,9 +235,9 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pit
     const int i = row0 + rl;
     if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
     const float lse2 = lse_log2(lse_head[i * lse_ss]), delta = delta_head[i];
-    float out[CPL];
+    float acc[CPL];
 #pragma unroll
-    for (int n = 0; n < CPL; ++n) out[n] = 0.f;
+    for (int n = 0; n < CPL; ++n) acc[n] = 0.f;
     const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
 #pragma unroll 1
     for (int j = 0; j < key_end; ++j) {
@@ -245,19 +246,20 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* stage, int pit
       const float s = warp_sum(lane_dot<Elem, CPL>(q_row, k_row, d, lane));
       const float dp = warp_sum(lane_dot<Elem, CPL>(do_row, v_row, d, lane));
       const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
-      lane_axpy<Elem, CPL>(out, p * (dp - delta), k_row, 0, HD, d, lane);
+      lane_axpy<Elem, CPL>(acc, p * (dp - delta), k_row, 0, HD, d, lane);
     }
-    lane_store<Elem, CPL>(stage + rl * pitch, out, scale, HD, lane);
+    lane_store<Elem, CPL>(out + rl * pitch, acc, scale, width, lane);
   }
 }
 
 // dK and dV: flagged key rows (this warp's 16 keys from key0, columns [col0, col0 + W)) recomputed
 // whole over the query rows [query_begin, nq) of query heads head0 .. head0 + group - 1 that see
-// them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the staged rows (key row
-// rl of this warp at stage_dk / stage_dv + rl * pitch, from column col0).
-template <typename Elem, int HD, int W>
-__device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, unsigned short* stage_dv,
-                                                    int pitch, unsigned rows, float scale,
+// them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the rows (key row rl of
+// this warp at out_dk / out_dv + rl * pitch, columns [col0, col0 + width): staging tiles, or dK
+// and dV themselves).
+template <typename Elem, int HD, int W, typename Pitch>
+__device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsigned short* out_dv,
+                                                    Pitch pitch, int width, unsigned rows, float scale,
                                                     float scale_log2, const QuerySide& qs, int head0,
                                                     int group, HeadRows k, HeadRows v, int key0,
                                                     int col0, int query_begin, int nq, int nk, int d,
@@ -268,9 +270,9 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, un
     const int j = key0 + rl;
     if (!row_flag<1>(rows, rl) || j >= nk) continue;  // warp-uniform
     const unsigned short *k_row = k.row(j), *v_row = v.row(j);
-    float out_dk[OPL], out_dv[OPL];
+    float acc_dk[OPL], acc_dv[OPL];
 #pragma unroll
-    for (int n = 0; n < OPL; ++n) out_dk[n] = out_dv[n] = 0.f;
+    for (int n = 0; n < OPL; ++n) acc_dk[n] = acc_dv[n] = 0.f;
 #pragma unroll 1
     for (int h = head0; h < head0 + group; ++h) {
       const HeadRows q{head_ptr(qs.q, qs.q_str, qs.batch, h), qs.q_str.seq};
@@ -284,12 +286,12 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* stage_dk, un
         const float s = warp_sum(lane_dot<Elem, CPL>(k_row, q_row, d, lane));
         const float dp = warp_sum(lane_dot<Elem, CPL>(v_row, do_row, d, lane));
         const float p = fast_exp2(fmaf(s, scale_log2, -lse_log2(lse_head[i * qs.lse_str.seq])));
-        lane_axpy<Elem, OPL>(out_dv, p, do_row, col0, W, d, lane);
-        lane_axpy<Elem, OPL>(out_dk, p * (dp - delta_head[i]), q_row, col0, W, d, lane);
+        lane_axpy<Elem, OPL>(acc_dv, p, do_row, col0, W, d, lane);
+        lane_axpy<Elem, OPL>(acc_dk, p * (dp - delta_head[i]), q_row, col0, W, d, lane);
       }
     }
-    lane_store<Elem, OPL>(stage_dk + rl * pitch + col0, out_dk, scale, W, lane);
-    lane_store<Elem, OPL>(stage_dv + rl * pitch + col0, out_dv, 1.f, W, lane);
+    lane_store<Elem, OPL>(out_dk + rl * pitch + col0, acc_dk, scale, width, lane);
+    lane_store<Elem, OPL>(out_dv + rl * pitch + col0, acc_dv, 1.f, width, lane);
   }
 }
 

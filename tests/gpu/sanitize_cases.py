@@ -41,8 +41,10 @@ def run(
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
+    parser.add_argument("--head-dim", nargs="+", type=int, help="these head dims only")
     args = parser.parse_args()
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
+    head_dims = tuple(args.head_dim or head_dims)
     count = 0
     for dtype in DTYPES:
         for d in head_dims:

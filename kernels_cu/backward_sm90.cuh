@@ -1,0 +1,335 @@
+// backward_sm90.cuh: the per-tile steps of the Hopper backward kernels (wgmma, sm_90a), shared by
+// the cp.async kernels (backward_sm90.cu) and the warp-specialised TMA kernels
+// (backward_sm90_tma.cu). Tiles are in the 128-byte swizzled layout of wgmma.cuh; each warpgroup
+// owns 64 rows, and its accumulators have the mma.sync fragment layout per warp (lane = 4 g + t
+// holds rows g and g + 8).
+//
+// dQ, per key tile j (a warpgroup owns 64 query rows):
+//   S = Q K_j^T, dP = dO V_j^T, dS = P (dP - D), dQ += dS K_j
+// dK/dV, per query tile i (a warpgroup owns 64 keys):
+//   S^T = K Q_i^T, dP^T = V dO_i^T              (A and B from shared memory, K-major)
+//   P^T = exp(scale S^T - lse), dS^T = P^T (dP^T - D)   (registers)
+//   dV += P^T dO_i, dK += dS^T Q_i               (A from registers, B read MN-major)
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+// Issues C (+)= A B^T over the head dim for one warpgroup: A = 64 rows of a swizzled tile of
+// A_ROWS rows starting at row a_row0, B = a whole swizzled tile of N rows. No commit, no wait.
+template <typename Elem, int HD, int A_ROWS, int N>
+__device__ __forceinline__ void wgmma_abt_head_dim(float (&c)[N / 8][4], const unsigned char* a_tile,
+                                                   int a_row0, const unsigned char* b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const int block = kk >> 2, within = (kk & 3) * 32;
+    wgmma_ss<Elem, N>(c, smem_desc(a_tile + block * (A_ROWS * 128) + a_row0 * 128 + within, 16, 1024),
+                      smem_desc(b_tile + block * (N * 128) + within, 16, 1024), kk > 0);
+  }
+}
+
+// Issues C += P B for one warpgroup: P = K_ROWS / 16 A fragments (registers), B = a swizzled tile
+// of K_ROWS rows read MN-major (its head dim is C's N). No commit, no wait.
+template <typename Elem, int HD, int K_ROWS>
+__device__ __forceinline__ void wgmma_pb(float (&c)[HD / 8][4], const unsigned (&p)[K_ROWS / 16][4],
+                                         const unsigned char* b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < K_ROWS / 16; ++kk)
+    wgmma_rs<Elem, HD>(c, p[kk], smem_desc(b_tile + kk * 2048, K_ROWS * 128, 1024), 1);
+}
+
+// Keeps A fragments alive (unmodified) until the wgmma that reads them has been waited for.
+template <int K>
+__device__ __forceinline__ void keep_fragments(unsigned (&p)[K][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+}
+
+// lse in log2 units for P = exp2(s scale_log2 - lse2): +inf (P = 0) for a row that sees no key
+// (lse = -inf) and for padding rows (pass `real` false).
+__device__ __forceinline__ float lse2_of_row(float lse, bool real) {
+  return !real || lse == -inf_f32() ? inf_f32() : lse * 1.4426950408889634f;
+}
+
+// dQ of one warpgroup's 64 query rows (rows wg * 64 .. of the block's BM-row Q and dO tiles).
+// A key tile is three phases: issue_scores (S and dP, one wgmma group), gradients (dS, rounded
+// to A fragments), issue_dq (dQ += dS K_j, one group). step() runs them in order and waits for
+// each group; a kernel may instead keep the dQ group of one tile in flight while it computes the
+// gradients of the next.
+template <typename Elem, int HD, int BM, int BN>
+struct Sm90DqRows {
+  static constexpr int NT_S = BN / 8, NT_D = HD / 8;
+  typedef unsigned Frags[BN / 16][4];  // dS as A fragments
+  const unsigned char *sQ, *sdO;
+  int wg, lane;
+  float scale_log2;
+  float lse2[2], dlt[2];  // this lane's rows g and g + 8: lse in log2 units (lse2_of_row) and D
+  int last_key[2];        // the last key each of the two rows sees (last_visible_key)
+  float acc_dq[NT_D][4];
+  float s[NT_S][4], dp[NT_S][4];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+  }
+
+  // S = Q K_j^T, dP = dO V_j^T (keys in k_tile, v_tile).
+  __device__ __forceinline__ void issue_scores(const unsigned char* k_tile,
+                                               const unsigned char* v_tile) {
+    wgmma_fence();
+    wgmma_abt_head_dim<Elem, HD, BM, BN>(s, sQ, wg * 64, k_tile);
+    wgmma_abt_head_dim<Elem, HD, BM, BN>(dp, sdO, wg * 64, v_tile);
+    wgmma_commit();
+  }
+
+  // dS = P (dP - D), P = exp2(S scale_log2 - lse2), for keys n0 .. n0 + BN - 1; `masked`: the
+  // tile straddles the diagonal or the end of the keys. The scores group must be complete.
+  __device__ __forceinline__ void gradients(bool masked, int n0, Frags& ds) {
+    fence_accumulators(s);
+    fence_accumulators(dp);
+    const int col0 = n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+        if (masked && col0 + nt * 8 + (e & 1) > last_key[e >> 1]) p = 0.f;
+        dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]);  // dS
+      }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) accum_to_a_frag<Elem>(ds[kk], dp[2 * kk], dp[2 * kk + 1]);
+  }
+
+  // dQ += dS K_j: ds must stay unmodified until this group is complete.
+  __device__ __forceinline__ void issue_dq(Frags& ds, const unsigned char* k_tile) {
+    wgmma_fence();
+    wgmma_pb<Elem, HD, BN>(acc_dq, ds, k_tile);
+    wgmma_commit();
+  }
+
+  // One key tile, every group waited for.
+  __device__ __forceinline__ void step(bool masked, int n0, const unsigned char* k_tile,
+                                       const unsigned char* v_tile) {
+    Frags ds;
+    issue_scores(k_tile, v_tile);
+    wgmma_wait<0>();
+    gradients(masked, n0, ds);
+    issue_dq(ds, k_tile);
+    wgmma_wait<0>();
+    fence_accumulators(acc_dq);
+    keep_fragments(ds);
+  }
+};
+
+// dK and dV of one warpgroup's 64 keys (rows wg * 64 .. of the block's BN-row K and V tiles).
+template <typename Elem, int HD, int BM, int BN>
+struct Sm90DkdvKeys {
+  static constexpr int NT_Q = BM / 8, NT_D = HD / 8;
+  static constexpr int COLS = HD;  // the head-dim columns of dK and dV this warpgroup holds
+  const unsigned char *sK, *sV;
+  int wg, lane;
+  float scale_log2;
+  int first_query[2];  // this lane's keys g and g + 8: the first query that sees them (masked tiles)
+  float acc_dk[NT_D][4], acc_dv[NT_D][4];
+
+  __device__ __forceinline__ int col0() const { return 0; }
+  // This warp's first key within the block (warp_index: among the consumer warps).
+  static __device__ __forceinline__ int key_row0(int warp_index) { return warp_index * 16; }
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+  }
+
+  // key_visible(i, key) == (i >= first_query_of(key)) for every query row i < nq.
+  static __device__ __forceinline__ int first_query_of(int key, int nq, int nk, bool causal) {
+    return key >= nk ? 0x7fffffff : (causal ? key - (nk - nq) : 0);
+  }
+
+  // The three phases of a query tile, as in Sm90DqRows: issue_scores (S^T, dP^T), probabilities
+  // (P^T, dS^T as A fragments), issue_grads (dV += P^T dO_i, dK += dS^T Q_i).
+  struct Frags {
+    unsigned pt[BM / 16][4], dst[BM / 16][4];
+  };
+  float st[NT_Q][4], dpt[NT_Q][4];
+
+  __device__ __forceinline__ void issue_scores(const unsigned char* q_tile,
+                                               const unsigned char* do_tile) {
+    wgmma_fence();
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, wg * 64, q_tile);    // S^T = K Q_i^T
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, wg * 64, do_tile);  // dP^T = V dO_i^T
+    wgmma_commit();
+  }
+
+  // Query rows m0 .. m0 + BM - 1 with their lse2 and D; `masked`: the tile straddles the diagonal.
+  __device__ __forceinline__ void probabilities(bool masked, int m0, const float* lse2,
+                                                const float* dlt, Frags& f) {
+    const int t = lane & 3;
+    fence_accumulators(st);
+    fence_accumulators(dpt);
+#pragma unroll
+    for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
+        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse2[qc]));
+        if (masked && m0 + qc < first_query[e >> 1]) p = 0.f;
+        st[nt][e] = p;                            // P^T
+        dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]);  // dS^T
+      }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      accum_to_a_frag<Elem>(f.pt[kk], st[2 * kk], st[2 * kk + 1]);
+      accum_to_a_frag<Elem>(f.dst[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+    }
+  }
+
+  // f must stay unmodified until this group is complete.
+  __device__ __forceinline__ void issue_grads(Frags& f, const unsigned char* q_tile,
+                                              const unsigned char* do_tile) {
+    wgmma_fence();
+    wgmma_pb<Elem, HD, BM>(acc_dv, f.pt, do_tile);  // dV += P^T dO_i
+    wgmma_pb<Elem, HD, BM>(acc_dk, f.dst, q_tile);  // dK += dS^T Q_i
+    wgmma_commit();
+  }
+
+  __device__ __forceinline__ void keep(Frags& f) {
+    keep_fragments(f.pt);
+    keep_fragments(f.dst);
+  }
+
+  // One query tile, every group waited for.
+  __device__ __forceinline__ void step(bool masked, int m0, const unsigned char* q_tile,
+                                       const unsigned char* do_tile, const float* lse2,
+                                       const float* dlt) {
+    Frags f;
+    issue_scores(q_tile, do_tile);
+    wgmma_wait<0>();
+    probabilities(masked, m0, lse2, dlt, f);
+    issue_grads(f, q_tile, do_tile);
+    wgmma_wait<0>();
+    fence_accumulators(acc_dv);
+    fence_accumulators(acc_dk);
+    keep(f);
+  }
+};
+
+// dK and dV of 64 keys at a head dim whose two accumulators do not fit one warpgroup's registers
+// (HD = 256: 2 x 128 per thread). Two warpgroups share the 64 keys and split the head dim: per
+// query tile, warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and then dS^T from P^T; P^T
+// (float32, for dS^T) and the rounded P^T and dS^T (the A operands of dV += P^T dO_i and
+// dK += dS^T Q_i) go through shared memory, and each warpgroup accumulates the dV and dK columns
+// of its half of the head dim. Named barrier 1 orders the exchange between the two warpgroups.
+template <typename Elem, int HD, int BM>
+struct Sm90DkdvKeysSplit {
+  static constexpr int NT_Q = BM / 8, COLS = HD / 2, NT_D = COLS / 8;
+  const unsigned char *sK, *sV;  // the block's 64-row K and V tiles
+  unsigned char *sP, *sdS;       // rounded P^T and dS^T: 64 x BM swizzled tiles
+  float* sPf;                    // P^T in float32: element i of thread x of warpgroup 0 at i * 128 + x
+  int wg, lane, tid;             // tid: the thread within its warpgroup
+  float scale_log2;
+  int first_query[2];
+  float acc_dk[NT_D][4], acc_dv[NT_D][4];
+
+  __device__ __forceinline__ int col0() const { return wg * COLS; }
+  static __device__ __forceinline__ int key_row0(int warp_index) { return (warp_index & 3) * 16; }
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+  }
+
+  static __device__ __forceinline__ int first_query_of(int key, int nq, int nk, bool causal) {
+    return Sm90DkdvKeys<Elem, HD, BM, 64>::first_query_of(key, nq, nk, causal);
+  }
+
+  static __device__ __forceinline__ void sync_pair() {
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  }
+
+  // Rounds an accumulator tile (64 x BM, this thread's fragment) into a swizzled 64 x BM tile.
+  __device__ __forceinline__ void store_rounded(unsigned char* tile, const float (&x)[NT_Q][4]) const {
+    const int g = lane >> 2, t = lane & 3, row0 = (tid >> 5) * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        *reinterpret_cast<unsigned*>(tile + (nt >> 3) * (64 * 128) + row * 128 +
+                                     (((nt & 7) ^ (row & 7)) << 4) + 4 * t) =
+            ElemTraits<Elem>::pack2(x[nt][2 * r], x[nt][2 * r + 1]);
+      }
+  }
+
+  // One query tile, as Sm90DkdvKeys::step; both warpgroups call it.
+  __device__ __forceinline__ void step(bool masked, int m0, const unsigned char* q_tile,
+                                       const unsigned char* do_tile, const float* lse2,
+                                       const float* dlt) {
+    const int t = lane & 3;
+    float x[NT_Q][4];  // warpgroup 0: S^T, then P^T; warpgroup 1: dP^T, then dS^T
+    wgmma_fence();
+    if (wg == 0)
+      wgmma_abt_head_dim<Elem, HD, 64, BM>(x, sK, 0, q_tile);  // S^T = K Q_i^T
+    else
+      wgmma_abt_head_dim<Elem, HD, 64, BM>(x, sV, 0, do_tile);  // dP^T = V dO_i^T
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(x);
+    if (wg == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * t + (e & 1);
+          float p = fast_exp2(fmaf(x[nt][e], scale_log2, -lse2[qc]));
+          if (masked && m0 + qc < first_query[e >> 1]) p = 0.f;
+          x[nt][e] = p;
+          sPf[(nt * 4 + e) * 128 + tid] = p;
+        }
+      store_rounded(sP, x);
+    }
+    sync_pair();  // P^T is in shared memory
+    if (wg == 1) {
+#pragma unroll
+      for (int nt = 0; nt < NT_Q; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * t + (e & 1);
+          x[nt][e] = sPf[(nt * 4 + e) * 128 + tid] * (x[nt][e] - dlt[qc]);  // dS^T
+        }
+      store_rounded(sdS, x);
+    }
+    fence_proxy_async();  // the rounded tiles are read by wgmma (the async proxy) next
+    sync_pair();          // P^T and dS^T are in shared memory
+    // dV[:, half] += P^T dO_i[:, half], dK[:, half] += dS^T Q_i[:, half]: A and B from shared
+    // memory, B read MN-major from this warpgroup's column blocks.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const int a_off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+      const int b_off = wg * (COLS / 64) * (BM * 128) + kk * 2048;
+      wgmma_ss_tb<Elem, COLS>(acc_dv, smem_desc(sP + a_off, 16, 1024),
+                              smem_desc(do_tile + b_off, BM * 128, 1024), 1);
+      wgmma_ss_tb<Elem, COLS>(acc_dk, smem_desc(sdS + a_off, 16, 1024),
+                              smem_desc(q_tile + b_off, BM * 128, 1024), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(acc_dv);
+    fence_accumulators(acc_dk);
+    sync_pair();  // both are done with sP, sdS and sPf before the next step writes them
+  }
+};
+
+}  // namespace cuflash

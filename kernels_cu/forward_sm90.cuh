@@ -1,0 +1,106 @@
+// forward_sm90.cuh: the loop body of the Hopper forward kernels (wgmma, sm_90a), shared by the
+// cp.async kernel (forward_sm90.cu) and the warp-specialised TMA kernel (forward_sm90_tma.cu).
+//
+// A warpgroup owns 64 query rows of a block of BM. Per key tile it issues S = Q K_j^T (A and B
+// from shared memory), applies the online softmax in registers, and issues O += P V_j with P as a
+// register A operand and V_j read transposed (MN-major) from shared memory: no shared-memory round
+// trip for P, no transposed copy. The tiles are in the 128-byte swizzled layout of wgmma.cuh.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+template <typename Elem, int HD, int BM, int BN>
+struct Sm90ForwardTraits {
+  static constexpr int WARPGROUPS = BM / 64;
+  static constexpr int NTHREADS = WARPGROUPS * 128;
+  static constexpr int NT_S = BN / 8, NT_O = HD / 8;
+  static constexpr int K_QK = HD / 16, K_PV = BN / 16;
+  static constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;  // one tile, swizzled
+  static constexpr int PITCH = HD + 8;  // the cp.async kernel's staging tile (gemm.cuh layout)
+  static_assert(HD % 64 == 0, "swizzled tiles are built from 64-column blocks");
+  static_assert(BM % 64 == 0 && BN % 16 == 0 && BN <= 256 && HD <= 256, "wgmma shapes");
+};
+
+template <typename Tr, typename Elem, int HD, int BM, int BN>
+struct Sm90ForwardBlock {
+  const unsigned char *sQ, *sK, *sV;  // sQ: the whole Q tile; sK, sV: stage 0 (stage s at + s KV_BYTES)
+  int m0, nq, nk, lane, warp_row0, wg;
+  bool causal;
+  float scale_log2;
+  float acc_o[1][Tr::NT_O][4];
+  OnlineSoftmax<1> softmax;
+
+  // S_ij = -inf where query i may not see key j (causal diagonal, keys past the end): key_visible
+  // as one comparison with the last key each of this lane's two rows sees.
+  __device__ __forceinline__ void apply_mask(float (&s)[1][Tr::NT_S][4], int n0) const {
+    const int col0 = n0 + 2 * (lane & 3);
+    int last[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      last[r] = last_visible_key(m0 + warp_row0 + (lane >> 2) + 8 * r, nq, nk, causal);
+#pragma unroll
+    for (int nt = 0; nt < Tr::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (col0 + nt * 8 + (e & 1) > last[e >> 1]) s[0][nt][e] = -inf_f32();
+  }
+
+  // P for key tile j (in shared memory at k_tile): S = Q K_j^T for this warpgroup's 64 rows,
+  // masked (MASKED: the tile straddles the diagonal or the end of the keys), turned into
+  // unnormalised probabilities by the online softmax (acc_o rescaled) and rounded to A fragments.
+  template <bool MASKED>
+  __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
+                                                unsigned (&p)[Tr::K_PV][4]) {
+    // k16 step kk reads 32 bytes of every row, in column block kk / 4.
+    float s[1][Tr::NT_S][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::K_QK; ++kk) {
+      const int block = kk >> 2, within = (kk & 3) * 32;
+      const unsigned long long dq =
+          smem_desc(sQ + block * (BM * 128) + wg * (64 * 128) + within, 16, 1024);
+      const unsigned long long dk = smem_desc(k_tile + block * (BN * 128) + within, 16, 1024);
+      wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(s[0]);
+    if constexpr (MASKED) apply_mask(s, j * BN);
+    softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
+#pragma unroll
+    for (int kk = 0; kk < Tr::K_PV; ++kk) accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+  }
+
+  // O += P V_j (V_j in shared memory at v_tile): k16 step kk covers keys 16kk .. 16kk + 15, rows
+  // of V_j 2048 bytes apart.
+  __device__ __forceinline__ void accumulate_pv(const unsigned char* v_tile,
+                                                unsigned (&p)[Tr::K_PV][4]) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::K_PV; ++kk)
+      wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(acc_o[0]);
+    // The A registers are read by the tensor cores until the wait: keep them alive until here.
+#pragma unroll
+    for (int kk = 0; kk < Tr::K_PV; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+  }
+
+  // Key tile j, which sits in pipeline stage `stage` (K and V stages KV_BYTES apart).
+  template <bool MASKED>
+  __device__ __forceinline__ void process_key_tile(int j, int stage) {
+    unsigned p[Tr::K_PV][4];
+    probabilities<MASKED>(j, sK + stage * Tr::KV_BYTES, p);
+    accumulate_pv(sV + stage * Tr::KV_BYTES, p);
+  }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,207 @@
+// forward_sm90_tma.cu: the FlashAttention-2 forward pass on Hopper, warp-specialised (sm_90a:
+// TMA loads, mbarrier pipelines, wgmma, setmaxnreg). Same contract as forward.cu: writes O and
+// lse, any Nq, Nk, d <= HD, causal bottom-right, grouped heads, strides; the host runs it where
+// the TMA unit can read q, k and v (16-byte aligned base and strides, d a multiple of 8) and
+// forward_sm90.cu elsewhere.
+//
+// Persistent: a block per SM walks its share of the work list (query tile, head, batch;
+// decode_paired_work's order, which balances causal work). Warpgroup 0 is the producer: it gives back its registers and one
+// thread issues the TMA copies of Q (one buffer) and of K_j, V_j (STAGES buffers each), each
+// completing on its own "full" barrier. Warpgroups 1 .. BM / 64 are consumers: they take the
+// producer's registers and run the loop body of forward_sm90.cuh on their 64 query rows, waiting
+// for K_j before S = Q K_j^T and for V_j only before O += P V_j, and release the stage on its
+// "empty" barrier. The producer loads the next work tile's Q and first K/V tiles while the
+// consumers finish the current one and write O and lse straight from registers. No block-wide
+// barrier after the set-up: each warpgroup runs at its own pace within the pipeline's depth.
+// The copies zero-fill rows past N and columns past d, so the consumers see padded tiles as the
+// cp.async kernel builds them.
+#include "common.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "gemm.cuh"
+#include "wgmma.cuh"
+#include "tma.cuh"
+#include "repair.cuh"
+#include "forward_sm90.cuh"
+
+namespace cuflash {
+
+template <typename Elem, int HD, int BM, int BN, int STAGES>
+struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
+  static constexpr int CONSUMERS = BM / 64;
+  static constexpr int THREADS = (CONSUMERS + 1) * 128;
+  // setmaxnreg budgets: producer + consumers within the 64K registers of an SM.
+  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 24 : 32;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
+  static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "register file");
+  static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
+};
+
+// The barriers of the pipeline, in shared memory after the tiles.
+template <int STAGES>
+struct TmaForwardBarriers {
+  unsigned long long q_full, q_empty;
+  unsigned long long k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
+};
+
+template <typename Elem, int HD, int BM, int BN, int STAGES>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    attention_forward_tma(const __grid_constant__ TensorMap tm_q,
+                          const __grid_constant__ TensorMap tm_k,
+                          const __grid_constant__ TensorMap tm_v, const unsigned short* __restrict__ q,
+                          const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
+                          unsigned short* __restrict__ o, float* __restrict__ lse, i64 q_sb,
+                          i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh,
+                          i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq,
+                          int nk, int d, float scale, int causal, int vec, int num_m_blocks,
+                          float p_shift, int num_work) {
+  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES> Tr;
+  extern __shared__ unsigned char smem_raw[];
+  // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + Tr::Q_BYTES;            // STAGES tiles
+  unsigned char* sV = sK + STAGES * Tr::KV_BYTES;  // STAGES tiles
+  TmaForwardBarriers<STAGES>& bar =
+      *reinterpret_cast<TmaForwardBarriers<STAGES>*>(sV + STAGES * Tr::KV_BYTES);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool is_causal = causal != 0;
+  const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
+
+  if (threadIdx.x == 0) {
+    // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
+    mbar_init(&bar.q_full, 1);
+    mbar_init(&bar.q_empty, 4 * Tr::CONSUMERS);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&bar.k_full[s], 1);
+      mbar_init(&bar.v_full[s], 1);
+      mbar_init(&bar.kv_empty[s], 4 * Tr::CONSUMERS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // Producer warpgroup: one thread issues every copy.
+    warpgroup_release_registers<Tr::PRODUCER_REGS>();
+    if (warp != 0 || lane != 0) return;
+    prefetch_tensor_map(&tm_q);
+    prefetch_tensor_map(&tm_k);
+    prefetch_tensor_map(&tm_v);
+    int pipe = 0;  // K/V tiles issued so far: stage pipe % STAGES, its use number pipe / STAGES
+    int round = 0;  // work items done
+    for (int step = 0; !walk.done(step); ++step) {
+      const i64 item = walk.item(step);
+      if (item >= num_work) continue;
+      const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
+      const int kv_head = bc.head / group, m0 = bc.block * BM;
+      const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
+      if (round > 0) mbar_wait(&bar.q_empty, (round - 1) & 1);  // every consumer is past Q
+      ++round;
+      mbar_arrive_expect_tx(&bar.q_full, Tr::Q_BYTES);
+#pragma unroll
+      for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+        tma_load_4d(sQ + c * (BM * 128), &tm_q, &bar.q_full, 64 * c, m0, bc.head, bc.batch);
+      for (int it = 0; it < tiles.count; ++it, ++pipe) {
+        const int stage = pipe % STAGES;
+        const int n0 = key_tile_at(it, tiles) * BN;
+        mbar_wait(&bar.kv_empty[stage], ((pipe / STAGES) & 1) ^ 1);
+        mbar_arrive_expect_tx(&bar.k_full[stage], Tr::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+          tma_load_4d(sK + stage * Tr::KV_BYTES + c * (BN * 128), &tm_k, &bar.k_full[stage], 64 * c,
+                      n0, kv_head, bc.batch);
+        mbar_arrive_expect_tx(&bar.v_full[stage], Tr::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+          tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &tm_v, &bar.v_full[stage], 64 * c,
+                      n0, kv_head, bc.batch);
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups.
+  warpgroup_claim_registers<Tr::CONSUMER_REGS>();
+  Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
+  blk.sQ = sQ;
+  blk.sK = sK;
+  blk.sV = sV;
+  blk.nq = nq;
+  blk.nk = nk;
+  blk.lane = lane;
+  blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
+  blk.wg = (warp - 4) >> 2;
+  blk.causal = is_causal;
+  blk.scale_log2 = scale * 1.4426950408889634f;
+  int pipe = 0;
+  unsigned q_parity = 0;
+  for (int step = 0; !walk.done(step); ++step) {
+    const i64 item = walk.item(step);
+    if (item >= num_work) continue;
+    blk.m0 = decode_paired_work(item, hq, num_m_blocks).block * BM;
+    fill(blk.acc_o, 0.f);
+    blk.softmax.init(p_shift);  // see forward.cu
+    const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, is_causal);
+    // The tiles that straddle the diagonal or the end of the keys first (mask.cuh, key_tile_at).
+    // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
+    const int masked = tiles.count - tiles.full;
+    unsigned repair = 0;
+    mbar_wait(&bar.q_full, q_parity);
+    for (int it = 0; it < tiles.count; ++it, ++pipe) {
+      const int stage = pipe % STAGES;
+      const unsigned phase = (pipe / STAGES) & 1;
+      const int j = key_tile_at(it, tiles);
+      unsigned p[Tr::K_PV][4];
+      mbar_wait(&bar.k_full[stage], phase);
+      if (it < masked)
+        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, p);
+      else
+        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, p);
+      mbar_wait(&bar.v_full[stage], phase);
+      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, p);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);  // this warp is done with K_j and V_j
+      if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&bar.q_empty);  // the producer may load the next Q
+    q_parity ^= 1;
+
+    // Epilogue: normalise, write this lane's pairs of O straight from registers, and lse.
+    float lse_rows[1][2];
+    blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
+    const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
+    unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
+    float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+    const int row0 = blk.m0 + blk.warp_row0, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + g + 8 * r;
+      if (row >= nq) continue;
+      unsigned short* dst = o_head + row * o_ss;
+#pragma unroll
+      for (int nt = 0; nt < Tr::NT_O; ++nt) {
+        const int col = nt * 8 + 2 * t;  // d is a multiple of 8: both columns or neither
+        if (col < d)
+          *reinterpret_cast<unsigned*>(dst + col) =
+              ElemTraits<Elem>::pack2(blk.acc_o[0][nt][2 * r], blk.acc_o[0][nt][2 * r + 1]);
+      }
+      if (t == 0) lse_head[row] = lse_rows[0][r];
+    }
+    if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
+      __syncwarp();
+      const int kv_head = bc.head / group;
+      recompute_forward_rows<Elem, HD, 1>(
+          o_head + row0 * o_ss, o_ss, d, repair, lse_rows, blk.scale_log2,
+          HeadRows{head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head), q_ss},
+          HeadRows{head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head), k_ss},
+          HeadRows{head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head), v_ss}, row0,
+          min(tiles.count * BN, nk), nq, nk, d, is_causal, lane);
+    }
+  }
+}
+
+}  // namespace cuflash

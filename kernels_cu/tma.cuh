@@ -1,0 +1,89 @@
+// tma.cuh: Hopper's tensor memory accelerator (TMA), the mbarriers that pipelines between a
+// producer and its consumers are built of, and warpgroup register reallocation (sm_90 / sm_90a).
+//
+// A pipeline stage is a shared-memory buffer with two mbarriers: "full" (the producer arms it with
+// the byte count it expects; the TMA unit completes it when the bytes have landed) and "empty"
+// (every consumer warp arrives once it has read the buffer). A barrier's phase flips each time it
+// completes, and a waiter names the parity of the phase it waits for. The producer waits on
+// "empty" with the opposite parity, so its first pass over a fresh barrier does not block.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+// The driver's CUtensorMap: 128 opaque bytes made on the host (cuTensorMapEncodeTiled, see
+// cuflash/_tma.py) and passed by value as a __grid_constant__ kernel parameter.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals)
+               : "memory");
+}
+
+// Makes initialised barriers visible to the TMA unit and to the other threads (with a barrier).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// One arrival that also announces `bytes` more of asynchronous copies to wait for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// Copies the box at coordinates (c0, c1, c2, c3) (innermost first) of a 4-D tensor map into
+// shared memory at `dst` (1024-byte aligned for the 128-byte swizzle); completes `bytes` of the
+// barrier's expected transaction count. Out-of-range elements are written as zeros.
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, unsigned long long* bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map))
+               : "memory");
+}
+
+// Warpgroup register reallocation (sm_90a): every warp of the warpgroup executes it, and the
+// kernel has a per-thread register cap at entry (__launch_bounds__(threads, 1)).
+template <int REGS>
+__device__ __forceinline__ void warpgroup_release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void warpgroup_claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace cuflash
