@@ -53,7 +53,9 @@ fi
 
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
-    args=""
+    # memcheck: every head-dim bucket; racecheck, synccheck: the TMA kernels' buckets (40 -> 64,
+    # 128, 256) and one mma.sync bucket (200)
+    args="--head-dim 40 128 200 256"
     [[ $tool == memcheck ]] && args="--all-buckets"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY tests/gpu/sanitize_cases.py $args \
       > "$LOGS/sanitize_$tool.log" 2>&1

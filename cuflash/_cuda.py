@@ -312,7 +312,8 @@ class ForwardPlan:
 
     def _tma_setup(self, p: Problem, infos: tuple, strides: list) -> bool:
         """Tensor maps of q, k and v and the persistent grid, where the TMA kernel applies."""
-        spec = _kernels.tma_spec("forward", p.dtype, p.head_dim, device_arch(self.device))
+        arch = device_arch(self.device)
+        spec = _kernels.tma_spec("forward", p.dtype, p.head_dim, arch, p.seq_q, p.causal)
         if spec is None:
             return False
         kv_rows = spec.rows_per_step

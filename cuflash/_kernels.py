@@ -108,11 +108,13 @@ _MMA_TILES = {
 # allow it (d = 64, 128), two at d = 256 (three spill).
 # The backward kernels (kernels_cu/backward_sm90.cu): dq (BM query rows, BN keys per tile) and
 # dkdv (BM query rows per tile, BN keys per block), BM resp. BN / 64 warpgroups; head dims 64 and
-# 128 (at 256 the dK and dV accumulators do not fit in registers).
+# 128 (at 256 the dK and dV accumulators do not fit in registers). These serve the calls the TMA
+# kernels below cannot (unaligned rows); dkdv at 64 keeps (64, 128): (64, 192) spills with the
+# step code it shares with the TMA kernel (backward_sm90.cuh).
 _WGMMA_TILES = {
     "forward": {64: (192, 64), 128: (192, 128), 256: (128, 64)},
     "dq": {64: (192, 64), 128: (192, 64)},
-    "dkdv": {64: (64, 192), 128: (64, 128)},
+    "dkdv": {64: (64, 128), 128: (64, 128)},
 }
 # The warp-specialised Hopper kernels (kernels_cu/forward_sm90_tma.cu, backward_sm90_tma.cu):
 # (BM, BN, STAGES) with one producer warpgroup that loads the tiles with the TMA unit and
@@ -123,8 +125,11 @@ _WGMMA_TILES = {
 _TMA_TILES = {
     "forward": {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)},
     "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
-    "dkdv": {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
+    "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
+# Sequences of at least `threshold` query rows (not causal, causal) take taller query tiles where
+# those are faster (bench/NOTES.md, v7): {(family, bucket): ((threshold, causal threshold), tiles)}.
+_TMA_TILES_LONG = {("forward", 64): ((2048, 4096), (192, 128, 2))}
 _wgmma_enabled = True
 _tma_enabled = True
 
@@ -293,21 +298,27 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
 
 
 @cache
-def tma_spec(family: str, dtype: str, head_dim: int, arch: str) -> KernelSpec | None:
-    """The warp-specialised TMA instance for `family` on `arch`, or None where there is none.
-    A plan runs it for the calls whose arrays the TMA unit can read, and kernel_spec's instance
-    for the others."""
+def tma_spec(
+    family: str, dtype: str, head_dim: int, arch: str, seq_len: int = 0, causal: bool = False
+) -> KernelSpec | None:
+    """The warp-specialised TMA instance for `family` on `arch` (for `seq_len` query rows, where
+    long sequences take other tiles), or None where there is none. A plan runs it for the calls
+    whose arrays the TMA unit can read, and kernel_spec's instance for the others."""
     hd = head_dim_bucket(head_dim)
     if not (uses_tma(family, arch, hd) and dtype in TENSOR_CORE_DTYPES):
         return None
     bm, bn, stages = _tiles(family + "_tma", dtype, hd)
+    long_tiles = _TMA_TILES_LONG.get((family, hd))
+    if long_tiles and (family + "_tma", dtype, hd) not in _overrides:
+        if seq_len >= long_tiles[0][1 if causal else 0]:
+            bm, bn, stages = long_tiles[1]
     key = (family, "tma")
     expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}>"
     row_bytes = hd * ITEMSIZE[dtype]
-    bufs = 1 if hd > 128 else 2  # buffers of the backward's per-item tiles (ItemBuffers)
+    bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
-    if family == "forward":  # Q; K and V per stage; q_full, q_empty and three per stage
-        smem = (bm + 2 * stages * bn) * row_bytes + 8 * (2 + 3 * stages) + 1024
+    if family == "forward":  # Q per buffer; K and V per stage; two barriers and three per stage
+        smem = (bufs * bm + 2 * stages * bn) * row_bytes + 8 * (2 * bufs + 3 * stages) + 1024
         threads = (bm // 64 + 1) * 128
         return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn)
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
@@ -316,12 +327,10 @@ def tma_spec(family: str, dtype: str, head_dim: int, arch: str) -> KernelSpec | 
         threads = (bm // 64 + 1) * 128
         return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn)
     # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each. The block owns BN keys:
-    # 64 per consumer warpgroup, or (hd > 128) 64 shared by two warpgroups that split the head
-    # dim and exchange P^T and dS^T (rounded, and P^T in float32) through shared memory.
+    # 64 per consumer warpgroup, or (hd > 128) 64 shared by two warpgroups that split the head dim.
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
-    smem += (64 * bm * (2 * ITEMSIZE[dtype] + 4) if split else 0) + 8 * (2 * bufs + 2 * stages)
-    smem += 1024
+    smem += 8 * (2 * bufs + 2 * stages) + 1024
     threads = ((2 if split else bn // 64) + 1) * 128
     return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bn, bm)
 
@@ -349,10 +358,11 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
         for dt in DTYPES:
             specs.extend(kernel_spec(family, dt, hd, arch) for hd in HEAD_DIM_BUCKETS)
     tma = {
-        tma_spec(f, dt, hd, arch)
-        for f in FAMILIES[:1] + FAMILIES[2:]
+        tma_spec(f, dt, hd, arch, seq)
+        for f in ("forward", "dkdv", "dq")
         for dt in DTYPES
         for hd in HEAD_DIM_BUCKETS
+        for seq in (0, 1 << 30)
     }
     return specs + sorted((s for s in tma if s is not None), key=lambda s: s.name_expression)
 

@@ -22,7 +22,9 @@ def _compile_one(args: tuple[str, str, int]) -> tuple[str, float]:
     from . import _cuda
 
     if family.endswith("_tma"):  # the TMA instances that serve aligned calls on Hopper
-        spec = _kernels.tma_spec(family[: -len("_tma")], dtype, head_dim, _cuda.device_arch(0))
+        seq = 1 << 30 if family.startswith("long_") else 0  # long sequences' tiles
+        base = family.removeprefix("long_")[: -len("_tma")]
+        spec = _kernels.tma_spec(base, dtype, head_dim, _cuda.device_arch(0), seq)
         if spec is None:
             return f"(no {family} instance for {dtype} d={head_dim})", 0.0
     else:
@@ -32,14 +34,13 @@ def _compile_one(args: tuple[str, str, int]) -> tuple[str, float]:
     return spec.name_expression, time.perf_counter() - start
 
 
+# The table's families, and the TMA instances (the long-sequence tiles of the forward too).
+_FAMILIES = ("forward", "forward_tma", "long_forward_tma", "dkdv", "dkdv_tma", "dq", "dq_tma")
+
+
 def selected(dtypes: list[str], head_dims: list[int]) -> list[tuple[str, str, int]]:
     work = [("preprocess", dt, 0) for dt in dtypes]
-    work += [
-        (fam, dt, hd)
-        for fam in ("forward", "forward_tma", "dkdv", "dkdv_tma", "dq", "dq_tma")
-        for dt in dtypes
-        for hd in head_dims
-    ]
+    work += [(fam, dt, hd) for fam in _FAMILIES for dt in dtypes for hd in head_dims]
     # the slowest (large head dims, tensor-core kernels) first
     return sorted(work, key=lambda w: (-w[2], w[1] not in _kernels.TENSOR_CORE_DTYPES))
 

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
     i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss, i64 dq_sb, i64 dq_sh,
     i64 dq_ss, int hq, int group, int nq, int nk, int d, float scale, int causal, int vec,
     int num_m_blocks) {
-  constexpr int NTHREADS = BM * 2, NT_S = BN / 8, NT_D = HD / 8;
+  constexpr int NTHREADS = BM * 2, NT_D = HD / 8;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, PITCH = HD + 8;
   static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % 16 == 0, "wgmma tile shapes");
   static_assert(BM * PITCH * 2 <= 2 * ROWS_BYTES + 4 * KV_BYTES, "staging tile fits");
@@ -46,33 +46,26 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
 
   const BlockCoords bc = decode_block(hq, num_m_blocks);
   const int kv_head = bc.head / group;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
-  const int g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int m0 = bc.block * BM, warp_row0 = warp * 16;
   const bool is_causal = causal != 0, use_vec = vec != 0;
-  const float scale_log2 = scale * 1.4426950408889634f;
 
-  // This lane's rows g and g + 8: lse in log2 units (+inf where P must be 0) and D.
-  float lse2[2], dlt[2];
+  Sm90DqRows<Elem, HD, BM, BN> rows;
+  rows.sQ = sQ;
+  rows.sdO = sdO;
+  rows.wg = warp >> 2;
+  rows.lane = lane;
+  rows.scale_log2 = scale * 1.4426950408889634f;
   const float* lse_head = lse + bc.batch * lse_sb + bc.head * lse_sh;
   const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = m0 + warp_row0 + g + 8 * r;
-    float l = inf_f32(), dl = 0.f;
-    if (row < nq) {
-      l = lse_head[row * lse_ss];
-      l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
-      dl = delta_head[row];
-    }
-    lse2[r] = l;
-    dlt[r] = dl;
+    const int row = m0 + warp_row0 + (lane >> 2) + 8 * r;
+    rows.lse2[r] = lse2_of_row(row < nq ? lse_head[row * lse_ss] : 0.f, row < nq);
+    rows.dlt[r] = row < nq ? delta_head[row] : 0.f;
+    rows.last_key[r] = last_visible_key(row, nq, nk, is_causal);
   }
-  float acc_dq[NT_D][4];
-#pragma unroll
-  for (int i = 0; i < NT_D; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+  rows.clear();
 
   const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
   const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
@@ -103,51 +96,20 @@ __global__ void __launch_bounds__(BM * 2, 1) attention_backward_dq_wgmma(
       load_tile_swizzled<BN, HD, NTHREADS>(sV + next, v_head, v_ss, j_next * BN, nk, d, use_vec);
       cp_async_commit();
     }
-    const unsigned char* k_tile = sK + (it & 1) * KV_BYTES;
-    const unsigned char* v_tile = sV + (it & 1) * KV_BYTES;
-    float s[NT_S][4], dp[NT_S][4];
-    wgmma_fence();
-    wgmma_abt_head_dim<Elem, HD, BM, BN>(s, sQ, wg * 64, k_tile);    // S = Q K_j^T
-    wgmma_abt_head_dim<Elem, HD, BM, BN>(dp, sdO, wg * 64, v_tile);  // dP = dO V_j^T
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(s);
-    fence_accumulators(dp);
-    const bool masked = it < masked_tiles;
-    unsigned ds[BN / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
-        if (masked) {
-          const int i = m0 + warp_row0 + g + ((e >> 1) << 3);
-          const int key = j * BN + nt * 8 + 2 * t + (e & 1);
-          if (!key_visible(i, key, nq, nk, is_causal)) p = 0.f;
-        }
-        dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]);  // dS
-      }
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) accum_to_a_frag<Elem>(ds[kk], dp[2 * kk], dp[2 * kk + 1]);
-    wgmma_fence();
-    wgmma_pb<Elem, HD, BN>(acc_dq, ds, k_tile);  // dQ += dS K_j
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc_dq);
-    keep_fragments(ds);
+    rows.step(it < masked_tiles, j * BN, sK + (it & 1) * KV_BYTES, sV + (it & 1) * KV_BYTES);
     if (it == masked_tiles - 1)
-      repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(acc_dq));
+      repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(rows.acc_dq));
   }
 
   // Epilogue: dQ = scale * acc, staged through shared memory (row pitch HD + 8).
   cp_async_wait<0>();
   __syncthreads();
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem);
-  float (&acc)[1][NT_D][4] = reinterpret_cast<float (&)[1][NT_D][4]>(acc_dq);
+  float (&acc)[1][NT_D][4] = reinterpret_cast<float (&)[1][NT_D][4]>(rows.acc_dq);
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_out + warp_row0 * PITCH, acc, scale, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, HD, repair, scale, scale_log2,
+    recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, HD, repair, scale, rows.scale_log2,
                                    HeadRows{q_head, q_ss}, HeadRows{do_head, do_ss},
                                    HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, lse_head, lse_ss,
                                    delta_head, m0 + warp_row0, min(tiles.count * BN, nk), nq, nk, d,
@@ -171,7 +133,7 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
     i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss, int hq,
     int group, int nq, int nk, int d, float scale, int causal, int vec, int num_n_blocks) {
   // BN keys per block (64 per warpgroup), query tiles of BM rows.
-  constexpr int NTHREADS = BN * 2, NT_Q = BM / 8, NT_D = HD / 8;
+  constexpr int NTHREADS = BN * 2, NT_D = HD / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2, PITCH = HD + 8;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % 16 == 0, "wgmma tile shapes");
   static_assert(2 * BN * PITCH * 2 <= 2 * KEYS_BYTES + 4 * ROWS_BYTES, "staging tiles fit");
@@ -186,17 +148,20 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
 
   const int hkv = hq / group;
   const BlockCoords bc = decode_block(hkv, num_n_blocks);  // bc.head is the key/value head
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
-  const int g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n0 = bc.block * BN, key_row0 = warp * 16;
   const bool is_causal = causal != 0, use_vec = vec != 0;
-  const float scale_log2 = scale * 1.4426950408889634f;
 
-  float acc_dk[NT_D][4], acc_dv[NT_D][4];
+  Sm90DkdvKeys<Elem, HD, BM, BN> keys;
+  keys.sK = sK;
+  keys.sV = sV;
+  keys.wg = warp >> 2;
+  keys.lane = lane;
+  keys.scale_log2 = scale * 1.4426950408889634f;
 #pragma unroll
-  for (int i = 0; i < NT_D; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+  for (int r = 0; r < 2; ++r)
+    keys.first_query[r] = keys.first_query_of(n0 + key_row0 + (lane >> 2) + 8 * r, nq, nk, is_causal);
+  keys.clear();
 
   const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head);
   const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head);
@@ -225,14 +190,8 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
     const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + head) * nq;
     for (int r = threadIdx.x; r < BM; r += NTHREADS) {
       const int row = m0 + r;
-      float l = inf_f32(), dl = 0.f;
-      if (row < nq) {
-        l = lse_head[row * lse_ss];
-        l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
-        dl = delta_head[row];
-      }
-      sLse2[stage * BM + r] = l;
-      sDelta[stage * BM + r] = dl;
+      sLse2[stage * BM + r] = lse2_of_row(row < nq ? lse_head[row * lse_ss] : 0.f, row < nq);
+      sDelta[stage * BM + r] = row < nq ? delta_head[row] : 0.f;
     }
   };
   if (num_steps > 0) load_step(0, 0);
@@ -248,50 +207,10 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
     fence_proxy_async();
     __syncthreads();  // step's tiles (and K, V) have landed; every warpgroup is done with step - 1
     if (step + 1 < num_steps) load_step(step + 1, stage ^ 1);
-    const unsigned char* q_tile = sQ + stage * ROWS_BYTES;
-    const unsigned char* do_tile = sdO + stage * ROWS_BYTES;
-    const float* lse2 = sLse2 + stage * BM;
-    const float* dlt = sDelta + stage * BM;
     const int m0 = query_step_at(step, tiles, group).tile * BM;
-    const bool masked = step < masked_steps;
-
-    float st[NT_Q][4], dpt[NT_Q][4];
-    wgmma_fence();
-    wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, wg * 64, q_tile);    // S^T = K Q_i^T
-    wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, wg * 64, do_tile);  // dP^T = V dO_i^T
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(st);
-    fence_accumulators(dpt);
-#pragma unroll
-    for (int nt = 0; nt < NT_Q; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
-        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse2[qc]));
-        if (masked) {
-          const int key = n0 + key_row0 + g + ((e >> 1) << 3);
-          if (!key_visible(m0 + qc, key, nq, nk, is_causal)) p = 0.f;
-        }
-        st[nt][e] = p;                               // P^T
-        dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]);     // dS^T
-      }
-    unsigned pt[BM / 16][4], dst[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      accum_to_a_frag<Elem>(pt[kk], st[2 * kk], st[2 * kk + 1]);
-      accum_to_a_frag<Elem>(dst[kk], dpt[2 * kk], dpt[2 * kk + 1]);
-    }
-    wgmma_fence();
-    wgmma_pb<Elem, HD, BM>(acc_dv, pt, do_tile);  // dV += P^T dO_i
-    wgmma_pb<Elem, HD, BM>(acc_dk, dst, q_tile);  // dK += dS^T Q_i
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc_dv);
-    fence_accumulators(acc_dk);
-    keep_fragments(pt);
-    keep_fragments(dst);
-    if (step == masked_steps - 1) repair = nonfinite_rows(acc_dk, acc_dv);
+    keys.step(step < masked_steps, m0, sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES,
+              sLse2 + stage * BM, sDelta + stage * BM);
+    if (step == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
   }
 
   // Epilogue: dK = scale * acc_dk and dV, staged through shared memory (row pitch HD + 8).
@@ -300,14 +219,14 @@ __global__ void __launch_bounds__(BN * 2, 1) attention_backward_dkdv_wgmma(
   unsigned short* s_dk = reinterpret_cast<unsigned short*>(smem);
   unsigned short* s_dv = s_dk + BN * PITCH;
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_dk + key_row0 * PITCH,
-                                           reinterpret_cast<float (&)[1][NT_D][4]>(acc_dk), scale, lane);
+                                           reinterpret_cast<float (&)[1][NT_D][4]>(keys.acc_dk), scale, lane);
   stage_accumulators<Elem, 1, NT_D, PITCH>(s_dv + key_row0 * PITCH,
-                                           reinterpret_cast<float (&)[1][NT_D][4]>(acc_dv), 1.f, lane);
+                                           reinterpret_cast<float (&)[1][NT_D][4]>(keys.acc_dv), 1.f, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
     recompute_dkdv_rows<Elem, HD, HD>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, HD, repair,
-                                      scale, scale_log2, qs, bc.head * group, group,
+                                      scale, keys.scale_log2, qs, bc.head * group, group,
                                       HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss}, n0 + key_row0,
                                       0, tiles.first * BM, nq, nk, d, is_causal, lane);
   }

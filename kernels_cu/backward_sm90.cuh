@@ -128,20 +128,29 @@ struct Sm90DqRows {
   }
 };
 
-// dK and dV of one warpgroup's 64 keys (rows wg * 64 .. of the block's BN-row K and V tiles).
-template <typename Elem, int HD, int BM, int BN>
+// dK and dV of one warpgroup's 64 keys (rows wg * 64 .. of the block's BN-row K and V tiles), all
+// HD columns. With COLS = HD / 2 (HD = 256, where dK and dV of 64 keys take 2 x 128 registers a
+// thread) two warpgroups share the block's 64 keys instead and each accumulates the dV and dK
+// columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
+// products twice: faster than exchanging P^T and dS^T through shared memory between them,
+// bench/NOTES.md, v7).
+template <typename Elem, int HD, int BM, int BN, int COLS_ = HD>
 struct Sm90DkdvKeys {
-  static constexpr int NT_Q = BM / 8, NT_D = HD / 8;
-  static constexpr int COLS = HD;  // the head-dim columns of dK and dV this warpgroup holds
+  static constexpr int COLS = COLS_;  // the head-dim columns of dK and dV this warpgroup holds
+  static constexpr bool SHARED_KEYS = COLS < HD;
+  static_assert(!SHARED_KEYS || (BN == 64 && 2 * COLS == HD), "two warpgroups split 64 keys");
+  static constexpr int NT_Q = BM / 8, NT_D = COLS / 8;
   const unsigned char *sK, *sV;
   int wg, lane;
   float scale_log2;
   int first_query[2];  // this lane's keys g and g + 8: the first query that sees them (masked tiles)
   float acc_dk[NT_D][4], acc_dv[NT_D][4];
 
-  __device__ __forceinline__ int col0() const { return 0; }
+  __device__ __forceinline__ int col0() const { return SHARED_KEYS ? wg * COLS : 0; }
   // This warp's first key within the block (warp_index: among the consumer warps).
-  static __device__ __forceinline__ int key_row0(int warp_index) { return warp_index * 16; }
+  static __device__ __forceinline__ int key_row0(int warp_index) {
+    return SHARED_KEYS ? (warp_index & 3) * 16 : warp_index * 16;
+  }
 
   __device__ __forceinline__ void clear() {
 #pragma unroll
@@ -164,9 +173,10 @@ struct Sm90DkdvKeys {
 
   __device__ __forceinline__ void issue_scores(const unsigned char* q_tile,
                                                const unsigned char* do_tile) {
+    const int keys0 = SHARED_KEYS ? 0 : wg * 64;
     wgmma_fence();
-    wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, wg * 64, q_tile);    // S^T = K Q_i^T
-    wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, wg * 64, do_tile);  // dP^T = V dO_i^T
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, keys0, q_tile);    // S^T = K Q_i^T
+    wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, keys0, do_tile);  // dP^T = V dO_i^T
     wgmma_commit();
   }
 
@@ -193,12 +203,13 @@ struct Sm90DkdvKeys {
     }
   }
 
-  // f must stay unmodified until this group is complete.
+  // f must stay unmodified until this group is complete. B: this warpgroup's column blocks.
   __device__ __forceinline__ void issue_grads(Frags& f, const unsigned char* q_tile,
                                               const unsigned char* do_tile) {
+    const int cols = (col0() / 64) * (BM * 128);
     wgmma_fence();
-    wgmma_pb<Elem, HD, BM>(acc_dv, f.pt, do_tile);  // dV += P^T dO_i
-    wgmma_pb<Elem, HD, BM>(acc_dk, f.dst, q_tile);  // dK += dS^T Q_i
+    wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_tile + cols);  // dV += P^T dO_i
+    wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_tile + cols);  // dK += dS^T Q_i
     wgmma_commit();
   }
 
@@ -220,115 +231,6 @@ struct Sm90DkdvKeys {
     fence_accumulators(acc_dv);
     fence_accumulators(acc_dk);
     keep(f);
-  }
-};
-
-// dK and dV of 64 keys at a head dim whose two accumulators do not fit one warpgroup's registers
-// (HD = 256: 2 x 128 per thread). Two warpgroups share the 64 keys and split the head dim: per
-// query tile, warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and then dS^T from P^T; P^T
-// (float32, for dS^T) and the rounded P^T and dS^T (the A operands of dV += P^T dO_i and
-// dK += dS^T Q_i) go through shared memory, and each warpgroup accumulates the dV and dK columns
-// of its half of the head dim. Named barrier 1 orders the exchange between the two warpgroups.
-template <typename Elem, int HD, int BM>
-struct Sm90DkdvKeysSplit {
-  static constexpr int NT_Q = BM / 8, COLS = HD / 2, NT_D = COLS / 8;
-  const unsigned char *sK, *sV;  // the block's 64-row K and V tiles
-  unsigned char *sP, *sdS;       // rounded P^T and dS^T: 64 x BM swizzled tiles
-  float* sPf;                    // P^T in float32: element i of thread x of warpgroup 0 at i * 128 + x
-  int wg, lane, tid;             // tid: the thread within its warpgroup
-  float scale_log2;
-  int first_query[2];
-  float acc_dk[NT_D][4], acc_dv[NT_D][4];
-
-  __device__ __forceinline__ int col0() const { return wg * COLS; }
-  static __device__ __forceinline__ int key_row0(int warp_index) { return (warp_index & 3) * 16; }
-
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < NT_D; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
-  }
-
-  static __device__ __forceinline__ int first_query_of(int key, int nq, int nk, bool causal) {
-    return Sm90DkdvKeys<Elem, HD, BM, 64>::first_query_of(key, nq, nk, causal);
-  }
-
-  static __device__ __forceinline__ void sync_pair() {
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  }
-
-  // Rounds an accumulator tile (64 x BM, this thread's fragment) into a swizzled 64 x BM tile.
-  __device__ __forceinline__ void store_rounded(unsigned char* tile, const float (&x)[NT_Q][4]) const {
-    const int g = lane >> 2, t = lane & 3, row0 = (tid >> 5) * 16 + g;
-#pragma unroll
-    for (int nt = 0; nt < NT_Q; ++nt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        *reinterpret_cast<unsigned*>(tile + (nt >> 3) * (64 * 128) + row * 128 +
-                                     (((nt & 7) ^ (row & 7)) << 4) + 4 * t) =
-            ElemTraits<Elem>::pack2(x[nt][2 * r], x[nt][2 * r + 1]);
-      }
-  }
-
-  // One query tile, as Sm90DkdvKeys::step; both warpgroups call it.
-  __device__ __forceinline__ void step(bool masked, int m0, const unsigned char* q_tile,
-                                       const unsigned char* do_tile, const float* lse2,
-                                       const float* dlt) {
-    const int t = lane & 3;
-    float x[NT_Q][4];  // warpgroup 0: S^T, then P^T; warpgroup 1: dP^T, then dS^T
-    wgmma_fence();
-    if (wg == 0)
-      wgmma_abt_head_dim<Elem, HD, 64, BM>(x, sK, 0, q_tile);  // S^T = K Q_i^T
-    else
-      wgmma_abt_head_dim<Elem, HD, 64, BM>(x, sV, 0, do_tile);  // dP^T = V dO_i^T
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(x);
-    if (wg == 0) {
-#pragma unroll
-      for (int nt = 0; nt < NT_Q; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * t + (e & 1);
-          float p = fast_exp2(fmaf(x[nt][e], scale_log2, -lse2[qc]));
-          if (masked && m0 + qc < first_query[e >> 1]) p = 0.f;
-          x[nt][e] = p;
-          sPf[(nt * 4 + e) * 128 + tid] = p;
-        }
-      store_rounded(sP, x);
-    }
-    sync_pair();  // P^T is in shared memory
-    if (wg == 1) {
-#pragma unroll
-      for (int nt = 0; nt < NT_Q; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * t + (e & 1);
-          x[nt][e] = sPf[(nt * 4 + e) * 128 + tid] * (x[nt][e] - dlt[qc]);  // dS^T
-        }
-      store_rounded(sdS, x);
-    }
-    fence_proxy_async();  // the rounded tiles are read by wgmma (the async proxy) next
-    sync_pair();          // P^T and dS^T are in shared memory
-    // dV[:, half] += P^T dO_i[:, half], dK[:, half] += dS^T Q_i[:, half]: A and B from shared
-    // memory, B read MN-major from this warpgroup's column blocks.
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      const int a_off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
-      const int b_off = wg * (COLS / 64) * (BM * 128) + kk * 2048;
-      wgmma_ss_tb<Elem, COLS>(acc_dv, smem_desc(sP + a_off, 16, 1024),
-                              smem_desc(do_tile + b_off, BM * 128, 1024), 1);
-      wgmma_ss_tb<Elem, COLS>(acc_dk, smem_desc(sdS + a_off, 16, 1024),
-                              smem_desc(q_tile + b_off, BM * 128, 1024), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc_dv);
-    fence_accumulators(acc_dk);
-    sync_pair();  // both are done with sP, sdS and sPf before the next step writes them
   }
 };
 

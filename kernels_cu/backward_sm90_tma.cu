@@ -33,33 +33,6 @@ namespace cuflash {
 
 constexpr int TMA_BOX_ROWS = 64;  // rows of one TMA box (the host's tensor maps, cuflash/_tma.py)
 
-// Register budgets of a producer warpgroup and CONSUMERS consumer warpgroups (setmaxnreg). With
-// one consumer every thread has up to 255 registers from the start, and nothing is moved.
-template <int CONSUMERS>
-struct WarpSpecialisedRegisters {
-  static constexpr int PRODUCER = CONSUMERS == 2 ? 24 : 32;
-  static constexpr int CONSUMER = CONSUMERS == 2 ? 240 : 160;
-  static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
-  static_assert(CONSUMERS == 1 || PRODUCER * 128 + CONSUMER * 128 * CONSUMERS <= 65536,
-                "register file");
-  static __device__ __forceinline__ void producer() {
-    if constexpr (CONSUMERS > 1) warpgroup_release_registers<PRODUCER>();
-  }
-  static __device__ __forceinline__ void consumer() {
-    if constexpr (CONSUMERS > 1) warpgroup_claim_registers<CONSUMER>();
-  }
-};
-
-// Buffers of the per-item tiles: two (the next item's load overlaps this one) where shared memory
-// allows, one at HD = 256.
-template <int HD>
-struct ItemBuffers {
-  static constexpr int COUNT = HD > 128 ? 1 : 2;
-  // Buffer and phase parity of the item `round` (0, 1, 2, ...) of a block.
-  static __device__ __forceinline__ int buffer(int round) { return round % COUNT; }
-  static __device__ __forceinline__ unsigned parity(int round) { return (round / COUNT) & 1; }
-};
-
 // Copies rows [row0, row0 + ROWS) (all HD columns) of one head of a tensor map into a swizzled
 // tile, completing on `bar`: ROWS / 64 x HD / 64 boxes.
 template <int ROWS, int HD>
@@ -294,8 +267,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
   typedef ItemBuffers<HD> Items;
-  typedef typename Select<SPLIT, Sm90DkdvKeysSplit<Elem, HD, BM>,
-                          Sm90DkdvKeys<Elem, HD, BM, BN>>::type Keys;
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, SPLIT ? HD / 2 : HD> Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
   static_assert(!SPLIT || BN == 64, "the split head dim serves 64 keys");
@@ -305,12 +277,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   unsigned char* sV = sK + BUFS * KEYS_BYTES;       // BUFS tiles
   unsigned char* sQ = sV + BUFS * KEYS_BYTES;       // STAGES tiles
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;    // STAGES tiles
-  // SPLIT: the exchanged P^T, dS^T (rounded, 64 x BM each) and P^T (float32, 64 x BM).
-  unsigned char* sP = sdO + STAGES * ROWS_BYTES;
-  unsigned char* sdS = sP + (SPLIT ? 64 * BM * 2 : 0);
-  float* sPf = reinterpret_cast<float*>(sdS + (SPLIT ? 64 * BM * 2 : 0));
-  float* s_lse2 = sPf + (SPLIT ? 64 * BM : 0);  // STAGES x BM
-  float* s_delta = s_lse2 + STAGES * BM;         // STAGES x BM
+  float* s_lse2 = reinterpret_cast<float*>(sdO + STAGES * ROWS_BYTES);  // STAGES x BM
+  float* s_delta = s_lse2 + STAGES * BM;                                // STAGES x BM
   TmaDkdvBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDkdvBarriers<BUFS, STAGES>*>(s_delta + STAGES * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -382,12 +350,6 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   keys.wg = (warp - 4) >> 2;
   keys.lane = lane;
   keys.scale_log2 = scale * 1.4426950408889634f;
-  if constexpr (SPLIT) {
-    keys.sP = sP;
-    keys.sdS = sdS;
-    keys.sPf = sPf;
-    keys.tid = threadIdx.x & 127;
-  }
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);

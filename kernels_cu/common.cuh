@@ -22,16 +22,6 @@ template <> __device__ __forceinline__ double infinity<double>() { return inf_f6
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Select<C, A, B>::type is A when C holds, else B (NVRTC has no <type_traits>).
-template <bool C, typename A, typename B>
-struct Select {
-  typedef A type;
-};
-template <typename A, typename B>
-struct Select<false, A, B> {
-  typedef B type;
-};
-
 // ElemTraits<E>: how an element format is stored in memory, which type accumulates it, and the
 // conversions between the two. D (the backward's rowsum(dO * O)) is stored in the accumulator type.
 template <typename E> struct ElemTraits;

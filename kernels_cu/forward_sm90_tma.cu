@@ -5,16 +5,16 @@
 // forward_sm90.cu elsewhere.
 //
 // Persistent: a block per SM walks its share of the work list (query tile, head, batch;
-// decode_paired_work's order, which balances causal work). Warpgroup 0 is the producer: it gives back its registers and one
-// thread issues the TMA copies of Q (one buffer) and of K_j, V_j (STAGES buffers each), each
-// completing on its own "full" barrier. Warpgroups 1 .. BM / 64 are consumers: they take the
-// producer's registers and run the loop body of forward_sm90.cuh on their 64 query rows, waiting
-// for K_j before S = Q K_j^T and for V_j only before O += P V_j, and release the stage on its
-// "empty" barrier. The producer loads the next work tile's Q and first K/V tiles while the
-// consumers finish the current one and write O and lse straight from registers. No block-wide
-// barrier after the set-up: each warpgroup runs at its own pace within the pipeline's depth.
-// The copies zero-fill rows past N and columns past d, so the consumers see padded tiles as the
-// cp.async kernel builds them.
+// decode_paired_work's order, which balances causal work). Warpgroup 0 is the producer: it gives
+// back its registers and one thread issues the TMA copies of Q (two buffers at HD <= 128, one at
+// 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full" barrier.
+// Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the loop body
+// of forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
+// before O += P V_j, and release the stage on its "empty" barrier. The producer loads the next
+// work item's Q and first K/V tiles while the consumers finish the current one and write O and
+// lse straight from registers. No block-wide barrier after the set-up: each warpgroup runs at
+// its own pace within the pipeline's depth. The copies zero-fill rows past N and columns past d,
+// so the consumers see padded tiles as the cp.async kernel builds them.
 #include "common.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -29,19 +29,16 @@ namespace cuflash {
 template <typename Elem, int HD, int BM, int BN, int STAGES>
 struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
   static constexpr int CONSUMERS = BM / 64;
-  static constexpr int THREADS = (CONSUMERS + 1) * 128;
-  // setmaxnreg budgets: producer + consumers within the 64K registers of an SM.
-  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 24 : 32;
-  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "register file");
+  typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
+  typedef ItemBuffers<HD> Items;  // Q buffers: the next work item's Q loads during this one
   static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
 };
 
 // The barriers of the pipeline, in shared memory after the tiles.
-template <int STAGES>
+template <int Q_BUFS, int STAGES>
 struct TmaForwardBarriers {
-  unsigned long long q_full, q_empty;
+  unsigned long long q_full[Q_BUFS], q_empty[Q_BUFS];
   unsigned long long k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
 };
 
@@ -57,22 +54,27 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                           int nk, int d, float scale, int causal, int vec, int num_m_blocks,
                           float p_shift, int num_work) {
   typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES> Tr;
+  typedef typename Tr::Items Items;
+  constexpr int Q_BUFS = Items::COUNT;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* sQ = smem;
-  unsigned char* sK = sQ + Tr::Q_BYTES;            // STAGES tiles
-  unsigned char* sV = sK + STAGES * Tr::KV_BYTES;  // STAGES tiles
-  TmaForwardBarriers<STAGES>& bar =
-      *reinterpret_cast<TmaForwardBarriers<STAGES>*>(sV + STAGES * Tr::KV_BYTES);
+  unsigned char* sQ = smem;                         // Q_BUFS tiles
+  unsigned char* sK = sQ + Q_BUFS * Tr::Q_BYTES;    // STAGES tiles
+  unsigned char* sV = sK + STAGES * Tr::KV_BYTES;   // STAGES tiles
+  TmaForwardBarriers<Q_BUFS, STAGES>& bar =
+      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sV + STAGES * Tr::KV_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool is_causal = causal != 0;
   const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
-    mbar_init(&bar.q_full, 1);
-    mbar_init(&bar.q_empty, 4 * Tr::CONSUMERS);
+#pragma unroll
+    for (int b = 0; b < Q_BUFS; ++b) {
+      mbar_init(&bar.q_full[b], 1);
+      mbar_init(&bar.q_empty[b], 4 * Tr::CONSUMERS);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&bar.k_full[s], 1);
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   if (warp < 4) {
     // Producer warpgroup: one thread issues every copy.
-    warpgroup_release_registers<Tr::PRODUCER_REGS>();
+    Tr::Regs::producer();
     if (warp != 0 || lane != 0) return;
     prefetch_tensor_map(&tm_q);
     prefetch_tensor_map(&tm_k);
@@ -98,12 +100,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
       const int kv_head = bc.head / group, m0 = bc.block * BM;
       const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-      if (round > 0) mbar_wait(&bar.q_empty, (round - 1) & 1);  // every consumer is past Q
+      const int qb = Items::buffer(round);
+      mbar_wait(&bar.q_empty[qb], Items::parity(round) ^ 1);  // consumers are past its last use
       ++round;
-      mbar_arrive_expect_tx(&bar.q_full, Tr::Q_BYTES);
+      mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + c * (BM * 128), &tm_q, &bar.q_full, 64 * c, m0, bc.head, bc.batch);
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &tm_q, &bar.q_full[qb], 64 * c, m0,
+                    bc.head, bc.batch);
       for (int it = 0; it < tiles.count; ++it, ++pipe) {
         const int stage = pipe % STAGES;
         const int n0 = key_tile_at(it, tiles) * BN;
@@ -124,9 +128,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   }
 
   // Consumer warpgroups.
-  warpgroup_claim_registers<Tr::CONSUMER_REGS>();
+  Tr::Regs::consumer();
   Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
-  blk.sQ = sQ;
   blk.sK = sK;
   blk.sV = sV;
   blk.nq = nq;
@@ -136,8 +139,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.wg = (warp - 4) >> 2;
   blk.causal = is_causal;
   blk.scale_log2 = scale * 1.4426950408889634f;
-  int pipe = 0;
-  unsigned q_parity = 0;
+  int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= num_work) continue;
@@ -149,7 +151,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
     const int masked = tiles.count - tiles.full;
     unsigned repair = 0;
-    mbar_wait(&bar.q_full, q_parity);
+    const int qb = Items::buffer(round);
+    mbar_wait(&bar.q_full[qb], Items::parity(round));
+    ++round;
+    blk.sQ = sQ + qb * Tr::Q_BYTES;
     for (int it = 0; it < tiles.count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       const unsigned phase = (pipe / STAGES) & 1;
@@ -167,8 +172,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(&bar.q_empty);  // the producer may load the next Q
-    q_parity ^= 1;
+    if (lane == 0) mbar_arrive(&bar.q_empty[qb]);  // the producer may load a Q into it again
 
     // Epilogue: normalise, write this lane's pairs of O straight from registers, and lse.
     float lse_rows[1][2];

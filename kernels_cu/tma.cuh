@@ -86,4 +86,31 @@ __device__ __forceinline__ void warpgroup_claim_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 
+// Register budgets of a producer warpgroup and CONSUMERS consumer warpgroups (setmaxnreg). With
+// one consumer every thread has up to 255 registers from the start, and nothing is moved.
+template <int CONSUMERS>
+struct WarpSpecialisedRegisters {
+  static constexpr int PRODUCER = CONSUMERS == 2 ? 24 : 32;
+  static constexpr int CONSUMER = CONSUMERS == 2 ? 240 : 160;
+  static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+  static_assert(CONSUMERS == 1 || PRODUCER * 128 + CONSUMER * 128 * CONSUMERS <= 65536,
+                "register file");
+  static __device__ __forceinline__ void producer() {
+    if constexpr (CONSUMERS > 1) warpgroup_release_registers<PRODUCER>();
+  }
+  static __device__ __forceinline__ void consumer() {
+    if constexpr (CONSUMERS > 1) warpgroup_claim_registers<CONSUMER>();
+  }
+};
+
+// Buffers of the per-item tiles: two (the next item's load overlaps this one) where shared memory
+// allows, one at HD = 256.
+template <int HD>
+struct ItemBuffers {
+  static constexpr int COUNT = HD > 128 ? 1 : 2;
+  // Buffer and phase parity of the item `round` (0, 1, 2, ...) of a block.
+  static __device__ __forceinline__ int buffer(int round) { return round % COUNT; }
+  static __device__ __forceinline__ unsigned parity(int round) { return (round / COUNT) & 1; }
+};
+
 }  // namespace cuflash

@@ -1,0 +1,130 @@
+"""The host side of the Hopper TMA kernels, on the CPU: the kernel-argument packing, the tensor
+maps' strides and address patching (with a stand-in for the driver's encoder), and the table of
+TMA instances (shared memory, threads, the long-sequence tiles)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import pytest
+
+from cuflash import _cuda, _kernels, _tma
+
+
+def test_argument_items_keep_tensor_maps_whole():
+    assert _cuda._argument_items("3Q128s2i") == ["Q", "Q", "Q", "128s", "i", "i"]
+    assert _cuda._argument_items("128s128sqf") == ["128s", "128s", "q", "f"]
+
+
+def test_argument_buffer_points_at_each_argument():
+    fmt = "128sQi128s"
+    data, params = _cuda._argument_buffer(fmt)
+    blob_a, blob_b = bytes(range(128)), bytes(range(128, 256))
+    struct.pack_into(fmt, data, 0, blob_a, 0x1234, 7, blob_b)
+    pointers = (ctypes.c_uint64 * 4).from_address(params)
+    assert ctypes.string_at(pointers[0], 128) == blob_a
+    assert ctypes.c_uint64.from_address(pointers[1]).value == 0x1234
+    assert ctypes.c_int32.from_address(pointers[2]).value == 7
+    assert ctypes.string_at(pointers[3], 128) == blob_b
+
+
+def test_tma_strides():
+    # (d, N, H, B) = (64, 100, 8, 2), bshd contiguous: seq stride H d, head stride d
+    assert _tma.tma_strides((64, 100, 8, 2), (8 * 64, 64, 100 * 8 * 64), 2) == (1024, 128, 102400)
+    # dimensions of length 1 get a packed stride whatever theirs is (2-D input: 0)
+    assert _tma.tma_strides((64, 100, 1, 1), (64, 0, 0), 2) == (128, 12800, 12800)
+    # strides the TMA unit cannot read: not a multiple of 16 bytes, zero, negative
+    assert _tma.tma_strides((64, 100, 8, 2), (8 * 64 + 1, 64, 100 * 8 * 64), 2) is None
+    assert _tma.tma_strides((64, 100, 8, 2), (8 * 64, 0, 100 * 8 * 64), 2) is None
+    assert _tma.tma_strides((64, 100, 8, 2), (-512, 64, 100 * 8 * 64), 2) is None
+
+
+def _fake_encoder(shift: int):
+    """A stand-in for cuTensorMapEncodeTiled that stores the address (>> shift) at byte 8 and the
+    box and dims elsewhere."""
+
+    def encode(out, dtype, rank, address, dims, strides, box, elem_strides, *rest):
+        blob = bytearray(128)
+        blob[0:8] = (0xC0FFEE).to_bytes(8, "little")
+        blob[8:16] = (address >> shift).to_bytes(8, "little")
+        blob[16:48] = struct.pack("4Q", *(dims[i] for i in range(4)))
+        blob[48:72] = struct.pack("3Q", *(strides[i] for i in range(3)))
+        blob[72:88] = struct.pack("4I", *(box[i] for i in range(4)))
+        ctypes.memmove(out, bytes(blob), 128)
+        return 0
+
+    return encode
+
+
+@pytest.mark.parametrize("shift", [0, 4])
+def test_tile_map_patches_the_address_only_where_it_found_the_field(monkeypatch, shift):
+    calls = []
+    fake = _fake_encoder(shift)
+
+    def counting(*args):
+        calls.append(args[3])
+        return fake(*args)
+
+    monkeypatch.setattr(_tma, "_encode_fn", counting)
+    tile_map = _tma.TileMap((64, 100, 8, 2), (1024, 128, 102400), 128, 0x7F0000000000)
+    made = len(calls)
+    for address in (0x7F0000000000, 0x7F0000123450, 0x7E0000000010):
+        want = bytearray(128)
+        fake(
+            ctypes.addressof((ctypes.c_uint8 * 128).from_buffer(want)),
+            0,
+            4,
+            address,
+            tile_map._dims,
+            tile_map._strides,
+            tile_map._box,
+            tile_map._elem_strides,
+        )
+        assert tile_map.bytes_for(address) == bytes(want)
+    if shift == 0:  # a plain 64-bit field: patched, the driver is not called again
+        assert tile_map._split is not None and len(calls) == made
+    else:  # not a plain field: every call encodes
+        assert tile_map._split is None and len(calls) == made + 3
+
+
+def test_tile_map_reports_a_refusal(monkeypatch):
+    monkeypatch.setattr(_tma, "_encode_fn", lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(_tma.TensorMapError, match="CUresult 1"):
+        _tma.TileMap((64, 100, 8, 2), (1024, 128, 102400), 128, 0x7F0000000000)
+
+
+def test_tma_instances():
+    limit = 227 * 1024  # the sm_90 opt-in shared memory per block
+    for family in ("forward", "dq", "dkdv"):
+        for dtype in _kernels.DTYPES:
+            for d in (1, 40, 64, 100, 128, 200, 232, 256):
+                for seq, causal in ((64, False), (1 << 20, False), (1 << 20, True)):
+                    spec = _kernels.tma_spec(family, dtype, d, "sm_90a", seq, causal)
+                    bucket = _kernels.head_dim_bucket(d)
+                    if dtype not in _kernels.TENSOR_CORE_DTYPES or bucket not in (64, 128, 256):
+                        assert spec is None
+                        continue
+                    assert spec.source.endswith("_tma.cu") and spec.head_dim == bucket
+                    assert spec.smem_bytes <= limit, spec
+                    # one producer warpgroup and consumer warpgroups of 64 query rows (keys for
+                    # dkdv; at 256 two warpgroups share 64 keys and split the head dim)
+                    split = family == "dkdv" and bucket == 256
+                    consumers = 2 if split else spec.rows_per_block // 64
+                    assert spec.threads == (consumers + 1) * 128, spec
+                assert _kernels.tma_spec(family, dtype, d, "sm_80") is None
+    # long sequences at d = 64 take taller query tiles in the forward, causal from 4096 rows
+    short = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 1024, False)
+    long_full = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, False)
+    long_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, True)
+    assert short.rows_per_block == 128 and long_full.rows_per_block == 192
+    assert long_causal.rows_per_block == 128
+    assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 4096, True).rows_per_block == 192
+    _kernels.set_tma(False)
+    try:
+        assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a") is None
+    finally:
+        _kernels.set_tma(True)
+    # the compile check builds every TMA instance
+    names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
+    assert long_full.name_expression in names and short.name_expression in names
