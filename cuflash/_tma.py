@@ -98,6 +98,7 @@ class TileMap:
         self._elem_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
         self.template = self.encode(address)
         self._split = self._find_address_field(address)
+        self._last = (address, self.template)  # calls often repeat the last address
 
     def encode(self, address: int) -> bytes:
         out = (ctypes.c_uint8 * (MAP_BYTES + 64))()  # the driver wants 64-byte alignment
@@ -141,7 +142,13 @@ class TileMap:
 
     def bytes_for(self, address: int) -> bytes:
         """The map's 128 bytes for an array at `address` (16-byte aligned)."""
+        last = self._last  # one read: another thread may replace it
+        if last[0] == address:
+            return last[1]
         if self._split is None:
-            return self.encode(address)
-        head, tail = self._split
-        return head + address.to_bytes(8, "little") + tail
+            blob = self.encode(address)
+        else:
+            head, tail = self._split
+            blob = head + address.to_bytes(8, "little") + tail
+        self._last = (address, blob)
+        return blob

@@ -69,7 +69,7 @@ def test_tile_map_patches_the_address_only_where_it_found_the_field(monkeypatch,
     monkeypatch.setattr(_tma, "_encode_fn", counting)
     tile_map = _tma.TileMap((64, 100, 8, 2), (1024, 128, 102400), 128, 0x7F0000000000)
     made = len(calls)
-    for address in (0x7F0000000000, 0x7F0000123450, 0x7E0000000010):
+    for address in (0x7F0000123450, 0x7E0000000010, 0x7E0000000010, 0x7F0000000000):
         want = bytearray(128)
         fake(
             ctypes.addressof((ctypes.c_uint8 * 128).from_buffer(want)),
@@ -84,7 +84,7 @@ def test_tile_map_patches_the_address_only_where_it_found_the_field(monkeypatch,
         assert tile_map.bytes_for(address) == bytes(want)
     if shift == 0:  # a plain 64-bit field: patched, the driver is not called again
         assert tile_map._split is not None and len(calls) == made
-    else:  # not a plain field: every call encodes
+    else:  # not a plain field: every new address is encoded (a repeated one is remembered)
         assert tile_map._split is None and len(calls) == made + 3
 
 
