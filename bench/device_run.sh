@@ -37,7 +37,7 @@ if [[ ${COLD:-1} == 1 ]] && (has tests || has sanitize); then
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
 fi
-if has tests || has sanitize || has sweep; then
+if has tests || has sanitize || has sweep || has bench; then
   $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
@@ -59,7 +59,7 @@ if has sanitize; then
     [[ $tool == memcheck ]] && args="--all-buckets"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY tests/gpu/sanitize_cases.py $args \
       > "$LOGS/sanitize_$tool.log" 2>&1
-    say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
+    say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
   done
 fi
 
