@@ -106,7 +106,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef ItemBuffers<HD> Items;
   static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % TMA_BOX_ROWS == 0, "tile shapes");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -123,16 +122,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
   const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
 
   if (threadIdx.x == 0) {
-#pragma unroll
-    for (int b = 0; b < BUFS; ++b) {
-      mbar_init(&bar.q_full[b], 1 + 32);  // the copies' bytes, and each producer lane's lse2, D
-      mbar_init(&bar.q_empty[b], 128 * CONSUMERS);
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&bar.kv_full[s], 1);
-      mbar_init(&bar.kv_empty[s], 4 * CONSUMERS);
-    }
+    // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, 128 * CONSUMERS);
+    mbar_init_pairs(bar.kv_full, bar.kv_empty, 1, 4 * CONSUMERS);
     fence_barrier_init();
   }
   __syncthreads();
@@ -147,9 +139,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
       const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
       const int kv_head = bc.head / group, m0 = bc.block * BM;
       const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-      const int buf = Items::buffer(round);
-      mbar_wait(&bar.q_empty[buf], Items::parity(round) ^ 1);  // consumers are past its last use
-      ++round;
+      const int buf = acquire_to_fill(bar.q_empty, round);
       if (lane == 0) {
         mbar_arrive_expect_tx(&bar.q_full[buf], 2 * ROWS_BYTES);
         tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &tm_q, &bar.q_full[buf], m0, bc.head, bc.batch);
@@ -193,9 +183,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
     // recomputed at the end (repair.cuh).
     const int masked_tiles = tiles.count - tiles.full;
     unsigned repair = 0;
-    const int buf = Items::buffer(round);
-    mbar_wait(&bar.q_full[buf], Items::parity(round));
-    ++round;
+    const int buf = acquire_to_read(bar.q_full, round);
     rows.sQ = sQ + buf * ROWS_BYTES;
     rows.sdO = sdO + buf * ROWS_BYTES;
 #pragma unroll
@@ -266,7 +254,6 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   constexpr int CONSUMERS = SPLIT ? 2 : BN / 64, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef ItemBuffers<HD> Items;
   typedef Sm90DkdvKeys<Elem, HD, BM, BN, SPLIT ? HD / 2 : HD> Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
@@ -287,16 +274,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   const WorkWalk walk{num_work, is_causal};
 
   if (threadIdx.x == 0) {
-#pragma unroll
-    for (int b = 0; b < BUFS; ++b) {
-      mbar_init(&bar.kv_full[b], 1);
-      mbar_init(&bar.kv_empty[b], 4 * CONSUMERS);
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&bar.q_full[s], 1 + 32);  // the copies' bytes, and each producer lane's lse2 and D
-      mbar_init(&bar.q_empty[s], 128 * CONSUMERS);
-    }
+    mbar_init_pairs(bar.kv_full, bar.kv_empty, 1, 4 * CONSUMERS);
+    // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, 128 * CONSUMERS);
     fence_barrier_init();
   }
   __syncthreads();
@@ -312,9 +292,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
       const int n0 = bc.block * BN;
       const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, is_causal);
       const int num_steps = group * (tiles.count - tiles.first);
-      const int buf = Items::buffer(round);
-      mbar_wait(&bar.kv_empty[buf], Items::parity(round) ^ 1);  // consumers are past its last use
-      ++round;
+      const int buf = acquire_to_fill(bar.kv_empty, round);
       if (lane == 0) {
         mbar_arrive_expect_tx(&bar.kv_full[buf], 2 * KEYS_BYTES);
         tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &tm_k, &bar.kv_full[buf], n0, bc.head,
@@ -366,9 +344,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
       keys.first_query[r] =
           keys.first_query_of(n0 + key_row0 + (lane >> 2) + 8 * r, nq, nk, is_causal);
     keys.clear();
-    const int buf = Items::buffer(round);
-    mbar_wait(&bar.kv_full[buf], Items::parity(round));
-    ++round;
+    const int buf = acquire_to_read(bar.kv_full, round);
     keys.sK = sK + buf * KEYS_BYTES;
     keys.sV = sV + buf * KEYS_BYTES;
     for (int s = 0; s < num_steps; ++s, ++pipe) {

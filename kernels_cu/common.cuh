@@ -147,7 +147,7 @@ struct WorkWalk {
     const i64 grid = gridDim.x;
     return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
   }
-  __device__ __forceinline__ bool done(int step) const {
+  __device__ __forceinline__ bool done(int step) const {  // the first round past the list
     const i64 grid = gridDim.x;
     return (paired ? 2 * grid * (step >> 1) : grid * step) >= num_work;
   }

@@ -31,7 +31,8 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
   static constexpr int CONSUMERS = BM / 64;
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef ItemBuffers<HD> Items;  // Q buffers: the next work item's Q loads during this one
+  // Q buffers: the next work item's Q loads during this one
+  static constexpr int Q_BUFS = ItemBuffers<HD>::COUNT;
   static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
 };
 
@@ -54,8 +55,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                           int nk, int d, float scale, int causal, int vec, int num_m_blocks,
                           float p_shift, int num_work) {
   typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES> Tr;
-  typedef typename Tr::Items Items;
-  constexpr int Q_BUFS = Items::COUNT;
+  constexpr int Q_BUFS = Tr::Q_BUFS;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -70,17 +70,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1, 4 * Tr::CONSUMERS);
+    mbar_init_pairs(bar.k_full, bar.kv_empty, 1, 4 * Tr::CONSUMERS);
 #pragma unroll
-    for (int b = 0; b < Q_BUFS; ++b) {
-      mbar_init(&bar.q_full[b], 1);
-      mbar_init(&bar.q_empty[b], 4 * Tr::CONSUMERS);
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&bar.k_full[s], 1);
-      mbar_init(&bar.v_full[s], 1);
-      mbar_init(&bar.kv_empty[s], 4 * Tr::CONSUMERS);
-    }
+    for (int s = 0; s < STAGES; ++s) mbar_init(&bar.v_full[s], 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -100,9 +93,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
       const int kv_head = bc.head / group, m0 = bc.block * BM;
       const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-      const int qb = Items::buffer(round);
-      mbar_wait(&bar.q_empty[qb], Items::parity(round) ^ 1);  // consumers are past its last use
-      ++round;
+      const int qb = acquire_to_fill(bar.q_empty, round);
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
@@ -151,9 +142,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
     const int masked = tiles.count - tiles.full;
     unsigned repair = 0;
-    const int qb = Items::buffer(round);
-    mbar_wait(&bar.q_full[qb], Items::parity(round));
-    ++round;
+    const int qb = acquire_to_read(bar.q_full, round);
     blk.sQ = sQ + qb * Tr::Q_BYTES;
     for (int it = 0; it < tiles.count; ++it, ++pipe) {
       const int stage = pipe % STAGES;

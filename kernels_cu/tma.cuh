@@ -23,6 +23,18 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arri
                : "memory");
 }
 
+// N pipeline buffers' (full, empty) barrier pairs.
+template <int N>
+__device__ __forceinline__ void mbar_init_pairs(unsigned long long (&full)[N],
+                                                unsigned long long (&empty)[N],
+                                                unsigned full_arrivals, unsigned empty_arrivals) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    mbar_init(&full[i], full_arrivals);
+    mbar_init(&empty[i], empty_arrivals);
+  }
+}
+
 // Makes initialised barriers visible to the TMA unit and to the other threads (with a barrier).
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -108,9 +120,24 @@ struct WarpSpecialisedRegisters {
 template <int HD>
 struct ItemBuffers {
   static constexpr int COUNT = HD > 128 ? 1 : 2;
-  // Buffer and phase parity of the item `round` (0, 1, 2, ...) of a block.
-  static __device__ __forceinline__ int buffer(int round) { return round % COUNT; }
-  static __device__ __forceinline__ unsigned parity(int round) { return (round / COUNT) & 1; }
 };
+
+// The next of N buffers used in turn (round = uses so far, counted by the caller), once the
+// producer may fill it (its last use released: waits on its "empty" barrier) ...
+template <int N>
+__device__ __forceinline__ int acquire_to_fill(unsigned long long (&empty)[N], int& round) {
+  const int b = round % N;
+  mbar_wait(&empty[b], ((round / N) & 1) ^ 1);
+  ++round;
+  return b;
+}
+// ... or once a consumer may read it (it has landed: waits on its "full" barrier).
+template <int N>
+__device__ __forceinline__ int acquire_to_read(unsigned long long (&full)[N], int& round) {
+  const int b = round % N;
+  mbar_wait(&full[b], (round / N) & 1);
+  ++round;
+  return b;
+}
 
 }  // namespace cuflash

@@ -202,9 +202,13 @@ def test_fully_masked_rows_give_zero_and_minus_inf(dtype):
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_is_bitwise_deterministic(dtype):
-    case = Case(2, 2, 4, 300, 500, 96, dtype, "bshd", True, None, "contiguous", seed=5)
+@pytest.mark.parametrize(
+    "dtype,head_dim",
+    [(dt, 96) for dt in DTYPES] + [("bfloat16", 64), ("float16", 128), ("bfloat16", 256)],
+)
+def test_backward_is_bitwise_deterministic(dtype, head_dim):
+    # d = 96: the mma.sync and exact kernels; 64, 128, 256: the TMA kernels on Hopper
+    case = Case(2, 2, 4, 300, 500, head_dim, dtype, "bshd", True, None, "contiguous", seed=5)
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
     q = make(case, case.shape(300, 8), gen)
     k, v = make(case, case.shape(500, 2), gen), make(case, case.shape(500, 2), gen)
