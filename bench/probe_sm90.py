@@ -143,6 +143,17 @@ def check_backward(dtype, only_d: int | None = None, only_bad: bool = False) -> 
     return ok
 
 
+def grid_inputs(n: int, d: int, count: int) -> tuple:
+    """(B, H, tensors) of one point of the FlashAttention papers' grid: B = 16384 / N,
+    H = 2048 / d, `count` random bf16 tensors (B, N, H, d)."""
+    b, h = 16384 // n, 2048 // d
+    return (
+        b,
+        h,
+        tuple(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(count)),
+    )
+
+
 def time_ms(fn, reps=20):
     for _ in range(3):
         fn()
@@ -166,10 +177,7 @@ def bench(seqs, dims) -> None:
     for d in dims:
         for n in seqs:
             for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                q, k, v = (
-                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
-                )
+                b, h, (q, k, v) = grid_inputs(n, d, 3)
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
                 res = {}
@@ -228,10 +236,7 @@ def sweep(configs: dict[int, list[tuple[int, ...]]], seqs, family: str = "forwar
         row = []
         for n in seqs:
             for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                q, k, v = (
-                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
-                )
+                b, h, (q, k, v) = grid_inputs(n, d, 3)
                 ms = time_ms(fn_of(q, k, v, causal))
                 row.append(4 * b * h * n * n * d * (0.5 if causal else 1.0) / ms / 1e9)
         return " ".join(f"{t:6.1f}" for t in row)
@@ -278,10 +283,7 @@ def bench_backward(seqs, dims) -> None:
     for d in dims:
         for n in seqs:
             for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                q, k, v, do = (
-                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-                )
+                b, h, (q, k, v, do) = grid_inputs(n, d, 4)
                 flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
                 res = {}
                 for name, enabled in (("wgmma", True), ("sm80", False)):
@@ -316,10 +318,7 @@ def backward_row(d: int, seqs, flash: bool = False) -> str:
     row = []
     for n in seqs:
         for causal in (False, True):
-            b, h = 16384 // n, 2048 // d
-            q, k, v, do = (
-                torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-            )
+            b, h, (q, k, v, do) = grid_inputs(n, d, 4)
             if flash:
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -371,10 +370,7 @@ def profile_kernels(seqs, dims) -> None:
     for d in dims:
         for n in seqs:
             for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                q, k, v, do = (
-                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-                )
+                b, h, (q, k, v, do) = grid_inputs(n, d, 4)
                 o, lse = cuflash.attention_forward(q, k, v, causal=causal)
                 cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
                 torch.cuda.synchronize()

@@ -143,7 +143,8 @@ def set_wgmma(enabled: bool) -> None:
 
 
 def set_tma(enabled: bool) -> None:
-    """Use the TMA forward on sm_90a where it applies (default), or the cp.async one."""
+    """Use the TMA kernels (forward, dq, dkdv) on sm_90a where they apply (default), or the
+    cp.async / mma.sync ones (for comparisons)."""
     global _tma_enabled
     _tma_enabled = bool(enabled)
     tma_spec.cache_clear()

@@ -36,6 +36,8 @@ class TensorMapError(RuntimeError):
 
 def _encoder():
     global _encode_fn
+    if _encode_fn is not None:  # encodes that find no address field run on every call
+        return _encode_fn
     with _encode_lock:
         if _encode_fn is None:
             lib = ctypes.CDLL("libcuda.so.1")  # the driver CuPy has loaded already

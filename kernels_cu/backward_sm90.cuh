@@ -57,10 +57,10 @@ __device__ __forceinline__ float lse2_of_row(float lse, bool real) {
 }
 
 // dQ of one warpgroup's 64 query rows (rows wg * 64 .. of the block's BM-row Q and dO tiles).
-// A key tile is three phases: issue_scores (S and dP, one wgmma group), gradients (dS, rounded
-// to A fragments), issue_dq (dQ += dS K_j, one group). step() runs them in order and waits for
-// each group; a kernel may instead keep the dQ group of one tile in flight while it computes the
-// gradients of the next.
+// A key tile is three phases, as in Sm90DkdvKeys: issue_scores (S and dP, one wgmma group),
+// gradients (dS, rounded to A fragments), issue_dq (dQ += dS K_j, one group); step() runs them
+// in order and waits for each group. (Keeping one tile's dQ group in flight under the next
+// tile's gradients was measured slower: bench/NOTES.md, v7.)
 template <typename Elem, int HD, int BM, int BN>
 struct Sm90DqRows {
   static constexpr int NT_S = BN / 8, NT_D = HD / 8;
