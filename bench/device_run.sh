@@ -3,7 +3,8 @@
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
-#   MODES: comma-separated from tests, sanitize, overhead, sweep, bench (default: all but sweep)
+#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, bench (default: all but
+#   sweep and ab; ab: the causal forward with start- against end-aligned row blocks, NOTES v8)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -61,6 +62,10 @@ if has sanitize; then
       > "$LOGS/sanitize_$tool.log" 2>&1
     say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
   done
+  # The TMA forward with end-aligned causal row blocks (rows before 0, the NaN-key repair case).
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $PY tests/gpu/sanitize_cases.py \
+    --head-dim 40 128 256 --causal-end-aligned > "$LOGS/sanitize_memcheck_end_aligned.log" 2>&1
+  say "compute-sanitizer memcheck (end-aligned causal rows) exit $?: $(grep -E 'ERROR SUMMARY|sanitize cases' "$LOGS/sanitize_memcheck_end_aligned.log" | tr '\n' ' ')"
 fi
 
 if has overhead; then
@@ -72,6 +77,14 @@ if has sweep; then
   timeout 400 $PY bench/sweep_tiles.py $SWEEP_ARGS > "$LOGS/sweep.log" 2>&1
   say "sweep exit $?"
   sed -n '/^sweep /,$p' "$LOGS/sweep.log" | tee -a "$SUMMARY" >/dev/null
+fi
+
+if has ab; then
+  timeout ${AB_TIMEOUT:-300} $PY bench/probe_sm90.py --ab-causal-layout --head-dim 64 128 256 \
+    --seq ${AB_SEQ:-1024 2048 4096 8192 16384} > "$LOGS/ab.log" 2>&1
+  say "ab exit $?: $(grep 'ab correctness' "$LOGS/ab.log")"
+  grep -E '^ab:' "$LOGS/ab.log" | tee -a "$SUMMARY" >/dev/null
+  cp "$LOGS/ab.log" "$OUT/ab.log"
 fi
 
 if has bench; then

@@ -183,10 +183,10 @@ def bench(seqs, dims) -> None:
                 res = {}
                 for name, enabled in (("wgmma", True), ("sm80", False)):
                     _kernels.set_wgmma(enabled)
-                    _plans._plans.clear()
+                    _plans.clear()
                     res[name] = time_ms(lambda: cuflash.attention_forward(q, k, v, causal=causal))
                 _kernels.set_wgmma(True)
-                _plans._plans.clear()
+                _plans.clear()
                 for name, backend in (
                     ("flash", SDPBackend.FLASH_ATTENTION),
                     ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -258,12 +258,12 @@ def sweep(configs: dict[int, list[tuple[int, ...]]], seqs, family: str = "forwar
         print(f"sweep: {d} sdpa-flash | {row_for(d, flash)}", flush=True)
         if family == "forward_tma":
             _kernels.set_tma(False)
-            _plans._plans.clear()
+            _plans.clear()
             print(f"sweep: {d} cp.async table | {row_for(d, ours)}", flush=True)
             _kernels.set_tma(True)
         for t in tiles:
             _kernels.set_tile_override(family, "bfloat16", d, t)
-            _plans._plans.clear()
+            _plans.clear()
             try:
                 ok = check_head_dim(d)
                 print(f"sweep: {d} {t} {'ok' if ok else 'WRONG'} | {row_for(d, ours)}", flush=True)
@@ -288,13 +288,13 @@ def bench_backward(seqs, dims) -> None:
                 res = {}
                 for name, enabled in (("wgmma", True), ("sm80", False)):
                     _kernels.set_wgmma(enabled)
-                    _plans._plans.clear()
+                    _plans.clear()
                     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
                     res[name] = time_ms(
                         lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
                     )
                 _kernels.set_wgmma(True)
-                _plans._plans.clear()
+                _plans.clear()
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -346,13 +346,13 @@ def sweep_backward(
         for d in sorted({d for _, d in configs}):
             print(f"sweep-bwd: {d} sdpa-flash | {backward_row(d, seqs, flash=True)}", flush=True)
             _kernels.set_tma(False)
-            _plans._plans.clear()
+            _plans.clear()
             print(f"sweep-bwd: {d} cp.async table | {backward_row(d, seqs)}", flush=True)
             _kernels.set_tma(True)
     for (family, d), tiles in configs.items():
         for t in tiles:
             _kernels.set_tile_override(family + suffix, "bfloat16", d, t)
-            _plans._plans.clear()
+            _plans.clear()
             try:
                 ok = check_backward(torch.bfloat16, only_d=d, only_bad=True)
                 row = backward_row(d, seqs)
@@ -391,6 +391,43 @@ def profile_kernels(seqs, dims) -> None:
                 print(f"profile: d={d} N={n} causal={causal} | " + ", ".join(cells), flush=True)
 
 
+def ab_causal_layout(seqs, dims) -> None:
+    """Causal TMA forward TFLOP/s with the row blocks aligned to the start of the sequence and
+    to its end (_kernels.set_causal_end_aligned, NOTES v8), measured alternately twice each,
+    beside the non-causal figure of the same shape; bf16, B = 16384 / N, H = 2048 / d. At d = 64
+    both tile heights run whatever the table picks, to place the causal threshold of the tall
+    tiles."""
+    configs: list[tuple[int, tuple[int, ...] | None]] = [(d, None) for d in dims]
+    if 64 in dims:
+        configs += [(64, (128, 128, 2)), (64, (192, 128, 2))]
+    print("ab: d tiles N | full | causal start, end, start, end | causal/full start end")
+    for d, tiles in configs:
+        if tiles:
+            _kernels.set_tile_override("forward_tma", "bfloat16", d, tiles)
+        for n in seqs:
+            b, h, (q, k, v) = grid_inputs(n, d, 3)
+            flops = 4 * b * h * n * n * d
+
+            def run(causal):
+                return lambda: cuflash.attention_forward(q, k, v, causal=causal)
+
+            full = flops / time_ms(run(False)) / 1e9
+            causal = {False: [], True: []}
+            for end in (False, True, False, True):
+                _kernels.set_causal_end_aligned(end)
+                causal[end].append(flops / 2 / time_ms(run(True)) / 1e9)
+            _kernels.set_causal_end_aligned(False)
+            start_best, end_best = max(causal[False]), max(causal[True])
+            print(
+                f"ab: {d} {tiles or 'table'} {n} | {full:6.1f} | "
+                f"{causal[False][0]:6.1f} {causal[True][0]:6.1f} {causal[False][1]:6.1f} "
+                f"{causal[True][1]:6.1f} | {start_best / full:.3f} {end_best / full:.3f}",
+                flush=True,
+            )
+        if tiles:
+            _kernels.set_tile_override("forward_tma", "bfloat16", d, None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", nargs="+", type=int, default=[1024, 4096, 16384])
@@ -414,7 +451,23 @@ def main() -> int:
         help="compare tiles of the TMA dq / dkdv kernels (default set if empty)",
     )
     parser.add_argument("--profile", action="store_true", help="device time per kernel")
+    parser.add_argument(
+        "--ab-causal-layout",
+        action="store_true",
+        help="causal forward with start- against end-aligned row blocks (after a check of both)",
+    )
     args = parser.parse_args()
+    if args.ab_causal_layout:
+        ok = True
+        for end in (False, True):
+            _kernels.set_causal_end_aligned(end)
+            ok &= check(torch.bfloat16, only_bad=True) & check(torch.float16, only_bad=True)
+            ok &= check_head_dim(64) & check_head_dim(128) & check_head_dim(256)
+        _kernels.set_causal_end_aligned(False)
+        print("ab correctness:", "ok" if ok else "FAILED", flush=True)
+        if ok:
+            ab_causal_layout(args.seq, args.head_dim)
+        return 0 if ok else 1
     if args.profile:
         profile_kernels(args.seq, args.head_dim)
         return 0

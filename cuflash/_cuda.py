@@ -329,10 +329,12 @@ class ForwardPlan:
             return False
         self.maps = maps
         self.tma_loaded = load(spec, self.device)
-        self.tma_blocks = _ceil_div(p.seq_q, spec.rows_per_block)
-        self.tma_work = self.tma_blocks * p.batch * p.heads_q
+        self.tma_slots, self.tma_row_shift = _kernels.causal_row_slots(
+            p.seq_q, spec.rows_per_block, p.causal
+        )
+        self.tma_work = self.tma_slots * p.batch * p.heads_q
         self.tma_grid = _persistent_grid(self.tma_work, p.causal, self.device)
-        self.tma_fmt = "128s128s128s" + self.fmt + "i"
+        self.tma_fmt = "128s128s128s" + self.fmt + "ii"
         return True
 
     def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> None:
@@ -356,9 +358,10 @@ class ForwardPlan:
                     lse_ptr,
                     *self.middle,
                     1,
-                    self.tma_blocks,
+                    self.tma_slots,
                     *self.extra,
                     self.tma_work,
+                    self.tma_row_shift,
                 ),
             )
             return

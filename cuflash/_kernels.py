@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from . import _plans
+
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
@@ -132,22 +134,53 @@ _TMA_TILES = {
 _TMA_TILES_LONG = {("forward", 64): ((2048, 4096), (192, 128, 2))}
 _wgmma_enabled = True
 _tma_enabled = True
+# The TMA forward's causal row blocks: aligned to the end of the sequence (True) or to its start
+# (False, measured in v7). See causal_row_slots; off until the device measures it (NOTES v8).
+_causal_end_aligned = False
 
 
 def set_wgmma(enabled: bool) -> None:
-    """Use the Hopper kernels on sm_90a (default) or the sm_80 ones (for comparisons)."""
+    """Use the Hopper kernels on sm_90a (default) or the sm_80 ones (for comparisons). Plans
+    built before the switch are dropped."""
     global _wgmma_enabled
     _wgmma_enabled = bool(enabled)
     kernel_spec.cache_clear()
     tma_spec.cache_clear()
+    _plans.clear()
 
 
 def set_tma(enabled: bool) -> None:
     """Use the TMA kernels (forward, dq, dkdv) on sm_90a where they apply (default), or the
-    cp.async / mma.sync ones (for comparisons)."""
+    cp.async / mma.sync ones (for comparisons). Plans built before the switch are dropped."""
     global _tma_enabled
     _tma_enabled = bool(enabled)
     tma_spec.cache_clear()
+    _plans.clear()
+
+
+def set_causal_end_aligned(enabled: bool) -> None:
+    """Align the causal TMA forward's row blocks to the end of the sequence (see
+    causal_row_slots), or to its start. Plans built before the switch are dropped."""
+    global _causal_end_aligned
+    _causal_end_aligned = bool(enabled)
+    _plans.clear()
+
+
+def causal_row_slots(seq_q: int, rows_per_block: int, causal: bool) -> tuple[int, int]:
+    """(slots per head, row_shift) of the TMA forward's work list (kernels_cu/forward_sm90_tma.cu):
+    slot b holds the query rows [b * rows_per_block - row_shift, (b + 1) * rows_per_block -
+    row_shift), and a slot whose rows are all negative is empty.
+
+    Start-aligned (row_shift 0) the last block is the partial one; under causal masking it runs
+    every key tile for its few real rows (at N = 4096 and 192-row blocks, a third of the work of
+    the head's heaviest block for 64 rows). End-aligned, the partial block is the first, which
+    sees the fewest keys; an odd block count gets an empty slot 0 so that the kernel's
+    heavy-with-light pairs (decode_paired_work) stay within one head."""
+    blocks = -(-seq_q // rows_per_block)
+    if not (causal and _causal_end_aligned):
+        return blocks, 0
+    slots = blocks + (blocks & 1)
+    return slots, slots * rows_per_block - seq_q
 
 
 # Exact-path tiles per (dtype, bucket): (BM, BN, threads per row). BM == BN. The exact path
@@ -181,13 +214,15 @@ _overrides: dict[tuple[str, str, int], tuple[int, ...]] = {}
 
 
 def set_tile_override(family: str, dtype: str, bucket: int, tiles: tuple[int, ...] | None) -> None:
-    """Use `tiles` (the table's tuple form) for one instance; None restores the table."""
+    """Use `tiles` (the table's tuple form) for one instance; None restores the table. Plans
+    built before the switch are dropped."""
     if tiles is None:
         _overrides.pop((family, dtype, bucket), None)
     else:
         _overrides[(family, dtype, bucket)] = tuple(tiles)
     kernel_spec.cache_clear()
     tma_spec.cache_clear()
+    _plans.clear()
 
 
 def _tiles(family: str, dtype: str, hd: int) -> tuple[int, ...]:

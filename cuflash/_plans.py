@@ -66,3 +66,8 @@ def put(key: tuple | None, plan: Any) -> None:
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
+
+
+def clear() -> None:
+    """Drops every plan (after a switch that changes which kernel or launch a call gets)."""
+    _plans.clear()

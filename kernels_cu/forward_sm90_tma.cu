@@ -15,6 +15,14 @@
 // lse straight from registers. No block-wide barrier after the set-up: each warpgroup runs at
 // its own pace within the pipeline's depth. The copies zero-fill rows past N and columns past d,
 // so the consumers see padded tiles as the cp.async kernel builds them.
+//
+// Row blocks: slot b of a head holds the query rows [b BM - row_shift, (b + 1) BM - row_shift).
+// The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under causal
+// masking, aligns the blocks to the end of the sequence (row_shift = slots BM - Nq >= 0): the
+// partial block is then the first, which sees the fewest keys, instead of the last, which would
+// run every key tile for a few real rows. An odd block count gets an empty slot 0 (all its rows
+// negative, skipped), so that every pair of decode_paired_work stays within one head. Rows
+// before 0 are read as zeros by the TMA unit and never written.
 #include "common.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -53,7 +61,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                           i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh,
                           i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq,
                           int nk, int d, float scale, int causal, int vec, int num_m_blocks,
-                          float p_shift, int num_work) {
+                          float p_shift, int num_work, int row_shift) {
   typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES> Tr;
   constexpr int Q_BUFS = Tr::Q_BUFS;
   extern __shared__ unsigned char smem_raw[];
@@ -91,7 +99,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const i64 item = walk.item(step);
       if (item >= num_work) continue;
       const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
-      const int kv_head = bc.head / group, m0 = bc.block * BM;
+      const int kv_head = bc.head / group, m0 = bc.block * BM - row_shift;
+      if (m0 + BM <= 0) continue;  // an empty slot (row_shift above)
       const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
       const int qb = acquire_to_fill(bar.q_empty, round);
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
@@ -134,7 +143,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= num_work) continue;
-    blk.m0 = decode_paired_work(item, hq, num_m_blocks).block * BM;
+    blk.m0 = decode_paired_work(item, hq, num_m_blocks).block * BM - row_shift;
+    if (blk.m0 + BM <= 0) continue;  // an empty slot, skipped by the producer too
     fill(blk.acc_o, 0.f);
     blk.softmax.init(p_shift);  // see forward.cu
     const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, is_causal);
@@ -173,7 +183,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row0 + g + 8 * r;
-      if (row >= nq) continue;
+      if (row < 0 || row >= nq) continue;  // rows of the block before the first or past the last
       unsigned short* dst = o_head + row * o_ss;
 #pragma unroll
       for (int nt = 0; nt < Tr::NT_O; ++nt) {

@@ -200,7 +200,8 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
     const int i = row0 + rl;
-    if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
+    // Rows outside [0, nq): padding (an end-aligned first block starts before row 0).
+    if (!row_flag<MT>(rows, rl) || i < 0 || i >= nq) continue;  // warp-uniform
     const float lse2 = row_value<MT>(lse_rows, rl) * 1.4426950408889634f;
     if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
     float acc[CPL];

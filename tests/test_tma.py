@@ -128,3 +128,64 @@ def test_tma_instances():
     # the compile check builds every TMA instance
     names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
     assert long_full.name_expression in names and short.name_expression in names
+
+
+def _slot_rows(seq_q: int, bm: int, causal: bool) -> list[range]:
+    """The query rows of each non-empty slot of the TMA forward's work list, as the kernel
+    computes them from causal_row_slots (kernels_cu/forward_sm90_tma.cu)."""
+    slots, shift = _kernels.causal_row_slots(seq_q, bm, causal)
+    rows = []
+    for b in range(slots):
+        m0 = b * bm - shift
+        if m0 + bm <= 0:  # empty slot: the kernel skips it
+            continue
+        rows.append(range(max(m0, 0), min(m0 + bm, seq_q)))
+    return rows
+
+
+def _causal_key_tiles(block_rows: range, bn: int) -> int:
+    """Key tiles a causal row block runs (Nq == Nk): up to the one holding its last row."""
+    return -(-block_rows.stop // bn)
+
+
+@pytest.mark.parametrize("end_aligned", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_slots_cover_every_query_row_once(causal, end_aligned):
+    _kernels.set_causal_end_aligned(end_aligned)
+    try:
+        for bm in (64, 128, 192):
+            for seq_q in (1, 63, 64, 100, 191, 192, 193, 384, 1000, 2048, 4096, 8192):
+                slots, shift = _kernels.causal_row_slots(seq_q, bm, causal)
+                rows = _slot_rows(seq_q, bm, causal)
+                covered = [i for r in rows for i in r]
+                assert covered == list(range(seq_q)), (bm, seq_q)
+                assert all(len(r) > 0 for r in rows)
+                assert 0 <= shift < 2 * bm
+                if causal and end_aligned:
+                    # pairs of slots (decode_paired_work) never straddle two heads, and only
+                    # the first block (the one that sees the fewest keys) is partial
+                    assert slots % 2 == 0
+                    assert all(len(r) == bm for r in rows[1:])
+                else:
+                    assert (slots, shift) == (-(-seq_q // bm), 0)
+                    assert all(len(r) == bm for r in rows[:-1])
+    finally:
+        _kernels.set_causal_end_aligned(False)
+
+
+def test_end_aligned_causal_blocks_run_fewer_key_tiles():
+    # N = 4096 with 192-row blocks: start-aligned, the last block holds 64 rows but runs all 32
+    # key tiles; end-aligned, the partial block runs one: 363 tiles where 341.5 are useful
+    # (bench/NOTES.md, v8).
+    def tiles(seq_q, end_aligned):
+        _kernels.set_causal_end_aligned(end_aligned)
+        try:
+            return sum(_causal_key_tiles(r, 128) for r in _slot_rows(seq_q, 192, True))
+        finally:
+            _kernels.set_causal_end_aligned(False)
+
+    assert tiles(4096, False) == 384 and tiles(4096, True) == 363
+    for seq_q in (100, 1000, 2048, 8192, 16384, 5000):
+        assert tiles(seq_q, True) <= tiles(seq_q, False)
+    # no partial block: the same blocks either way
+    assert tiles(3840, True) == tiles(3840, False)

@@ -38,11 +38,33 @@ def run(
             raise SystemExit(f"non-finite {name} for {dtype} d={d} causal={causal}")
 
 
+def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
+    """Forward with end-aligned causal row blocks (cuflash._kernels.set_causal_end_aligned) on
+    Nq < Nk, with a NaN key that the first block's rows before 0 see: the repair path gets
+    those rows flagged and must not read or write them."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (
+        torch.randn(1, n, 2, d, generator=gen, device="cuda").to(dtype) for n in (100, 300, 300)
+    )
+    k[0, 150, 1, 0] = float("nan")
+    cuflash.attention_forward(q, k, v, causal=True)
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
     parser.add_argument("--head-dim", nargs="+", type=int, help="these head dims only")
+    parser.add_argument(
+        "--causal-end-aligned",
+        action="store_true",
+        help="the TMA forward's causal row blocks aligned to the end (plus a NaN-key case)",
+    )
     args = parser.parse_args()
+    if args.causal_end_aligned:
+        from cuflash import _kernels
+
+        _kernels.set_causal_end_aligned(True)
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
     count = 0
@@ -53,6 +75,9 @@ def main() -> int:
                 count += 1
             run(dtype, d, True, aligned=False, nq=33, nk=70)
             count += 1
+            if args.causal_end_aligned and dtype in (torch.float16, torch.bfloat16):
+                run_nan_key_before_row_0(dtype, d)
+                count += 1
     print(f"sanitize cases: {count} forward+backward runs completed")
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_kernels import Case, check_case, make
 
-from cuflash import _cuda, _plans, _tma, testing
+from cuflash import _cuda, _kernels, _plans, _tma, testing
 
 pytestmark = pytest.mark.gpu
 if testing.gpu_unavailable_reason():
@@ -69,3 +69,61 @@ def test_patched_tensor_maps_equal_the_drivers():
     tile_map = _tma.TileMap((128, 300, 8, 4), (8 * 128 * 2, 128 * 2, 300 * 8 * 128 * 2), 64, base)
     for address in (base, base + 16, base + 4096 * 16, base + (1 << 20)):
         assert tile_map.bytes_for(address) == tile_map.encode(address)
+
+
+@pytest.fixture
+def causal_end_aligned():
+    """The TMA forward's causal row blocks aligned to the end of the sequence (NOTES v8)."""
+    _kernels.set_causal_end_aligned(True)
+    yield
+    _kernels.set_causal_end_aligned(False)
+
+
+@pytest.mark.parametrize(
+    "head_dim,tiles", [(64, None), (64, (192, 128, 2)), (128, None), (256, None)]
+)
+@pytest.mark.parametrize(
+    "seq_q,seq_k", [(64, 64), (193, 193), (333, 333), (1000, 1000), (517, 900), (900, 517)]
+)
+def test_end_aligned_causal_row_blocks(causal_end_aligned, head_dim, tiles, seq_q, seq_k):
+    # The partial row block comes first (its rows start before 0) and odd block counts get an
+    # empty slot: every real row is written once, rows before 0 never (outputs start as NaN).
+    if tiles:
+        _kernels.set_tile_override("forward_tma", "bfloat16", head_dim, tiles)
+    try:
+        case = Case(
+            2, 2, 2, seq_q, seq_k, head_dim, "bfloat16", "bshd", True, None, "contiguous", 5
+        )
+        check_case(case, "end-aligned causal rows")
+        fwd, _ = plans_of(case)
+        bm = fwd.tma_loaded.spec.rows_per_block
+        assert fwd.tma and (fwd.tma_slots, fwd.tma_row_shift) == _kernels.causal_row_slots(
+            seq_q, bm, True
+        )
+        assert fwd.tma_slots % 2 == 0 and fwd.tma_row_shift == fwd.tma_slots * bm - seq_q
+    finally:
+        if tiles:
+            _kernels.set_tile_override("forward_tma", "bfloat16", head_dim, None)
+
+
+def test_end_aligned_first_block_with_a_nonfinite_key(causal_end_aligned):
+    # Fewer queries than keys (bottom-right causal: query i sees keys j <= i + 200). The first
+    # block holds rows -28 .. 99 (128-row blocks, row_shift 156); its rows before 0 see the NaN
+    # key too, so the repair path gets them flagged and must skip them (compute-sanitizer runs
+    # this shape as well: tests/gpu/sanitize_cases.py). Head 1 sees the NaN key in every row;
+    # head 0 is exactly as without it.
+    import cuflash
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (
+        torch.randn(1, n, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for n in (100, 300, 300)
+    )
+    clean_o, clean_lse = cuflash.attention_forward(q, k, v, causal=True)
+    fwd = _plans.get(_plans.signature("forward", (q, k, v), True, None, "bshd"))
+    assert fwd.tma and (fwd.tma_slots, fwd.tma_row_shift) == (2, 156)
+    k2 = k.clone()
+    k2[0, 150, 1, 7] = float("nan")
+    o, lse = cuflash.attention_forward(q, k2, v, causal=True)
+    assert bool(torch.isnan(o[0, :, 1]).all(-1).all())
+    assert torch.equal(o[0, :, 0], clean_o[0, :, 0]) and torch.equal(lse[0, 0], clean_lse[0, 0])

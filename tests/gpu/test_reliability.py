@@ -324,7 +324,7 @@ def test_eight_threads_with_racing_first_compilation():
     for key in list(_cuda._loaded):
         if key[0] in names:
             del _cuda._loaded[key]
-    _plans._plans.clear()
+    _plans.clear()
     before = _cuda.compile_count
     inputs = [
         tuple(rand(1, 97, 2, d, dtype=dtype, seed=100 + 4 * t + i) for i in range(4))
