@@ -8,7 +8,8 @@ Peers: PyTorch SDPA's flash (FlashAttention-2), cuDNN and memory-efficient backe
 CuPy attention (S = Q K^T materialised). The grid follows the FlashAttention papers: B = 16384 / N,
 Hq = 2048 / d, so every point has 16k tokens and a model width of 2048; plus grouped heads
 (Hq = 32, Hkv = 8) at d = 128. FLOPs: forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x
-the forward. Each time is the median of many runs after warm-up, timed with CUDA events.
+the forward. Each time is the median of many runs after warm-up, timed with CUDA events on
+repetitions queued back to back (device time; --sync-each-rep for the method up to v7).
 
 Writes bench_results.json, bench_table.txt and bench_plot.png (TFLOP/s against N) to --out, and
 prints the table last.
@@ -69,24 +70,45 @@ class Point:
         )
 
 
-def time_ms(fn, warmup: int, min_reps: int, min_time_ms: float) -> float:
-    """Median over repetitions of fn, each timed with CUDA events on the current stream."""
+def time_ms(
+    fn, warmup: int, min_reps: int, min_time_ms: float, sync_each_rep: bool = False
+) -> float:
+    """Median over repetitions of fn, each between two CUDA events on the current stream.
+
+    By default the repetitions are queued back to back and waited for once: a repetition's start
+    event fires when the previous one's work ends, so the host's cost of the next call overlaps
+    the device's work and each time is the device time of one call (as Triton's do_bench
+    measures). With sync_each_rep every repetition is waited for before the next is launched
+    (the method up to v7, bench/NOTES.md v8): each time then also holds the host's launch
+    latency of that call while the GPU waits, some 20-30 us, a few percent of a 0.5 ms kernel.
+    The number of repetitions reaches min_reps and about min_time_ms (at most 1000)."""
     for _ in range(warmup):
         fn()
-    times = []
-    total = 0.0
-    while len(times) < min_reps or total < min_time_ms:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        t = start.elapsed_time(end)
-        times.append(t)
-        total += t
-        if len(times) >= 1000:
-            break
-    return statistics.median(times)
+    torch.cuda.synchronize()
+
+    def timed(reps: int, sync: bool) -> list[float]:
+        events = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            if sync:
+                end.synchronize()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+
+    if sync_each_rep:
+        times: list[float] = []
+        while len(times) < min_reps or sum(times) < min_time_ms:
+            times += timed(1, True)
+            if len(times) >= 1000:
+                break
+        return statistics.median(times)
+    estimate = statistics.median(timed(3, True))
+    reps = min(1000, max(min_reps, math.ceil(min_time_ms / max(estimate, 1e-3))))
+    return statistics.median(timed(reps, False))
 
 
 def sdpa_backend(name: str):
@@ -129,7 +151,12 @@ def naive_cupy(q, k, v, causal: bool, scale: float):
 def bench_point(p: Point, methods: list[str], args) -> Point:
     scale = 1.0 / math.sqrt(p.head_dim)
     gqa = p.heads_q != p.heads_kv
-    reps = dict(warmup=args.warmup, min_reps=args.reps, min_time_ms=args.min_time_ms)
+    reps = dict(
+        warmup=args.warmup,
+        min_reps=args.reps,
+        min_time_ms=args.min_time_ms,
+        sync_each_rep=args.sync_each_rep,
+    )
     q, k, v = make_inputs(p, requires_grad=True)
     do = torch.randn_like(q)
     for method in methods:
@@ -328,6 +355,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--min-time-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--sync-each-rep",
+        action="store_true",
+        help="wait for each timed call before the next (the method up to v7): times include "
+        "the host's launch latency",
+    )
     parser.add_argument("--naive-limit-gb", type=float, default=16.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
@@ -362,12 +395,14 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "cuflash": cuflash.__version__,
         "seconds": time.time() - start,
+        "timing": "sync-each-rep" if args.sync_each_rep else "back-to-back",
         "points": [asdict(p) for p in points],
         "host_overhead_us": overhead,
         "memory_mib": memory,
     }
     (out / "bench_results.json").write_text(json.dumps(results, indent=1))
-    text = [f"device: {device}", table]
+    timing = "each call waited for" if args.sync_each_rep else "calls queued back to back"
+    text = [f"device: {device}; median device time per call, {timing}", table]
     if overhead:
         text.append(
             "host overhead per call (B=1 H=1 N=64 d=64, mean of 1000): "
