@@ -3,6 +3,7 @@ stack frame (the CPU compile check: nvcc, no GPU needed), and the sources ship w
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,13 @@ def test_all_kernels_compile_for_sm80_and_sm90a_without_spills():
     assert not found, "\n".join(found)
     compiled = sum(len(unit.kernels) for unit in results)
     assert compiled == sum(len(_kernels.all_specs(arch)) for arch in ("sm_80", "sm_90a"))
+
+
+def test_generated_wgmma_specialisations_are_current():
+    # kernels_cu/wgmma.cuh holds what tools/gen_wgmma.py writes between its markers
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gen_wgmma", root / "tools" / "gen_wgmma.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = (root / "kernels_cu" / "wgmma.cuh").read_text()
+    assert gen.BEGIN + "\n" + gen.generated() + gen.END + "\n" in text
