@@ -3,8 +3,9 @@
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
-#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, bench (default: all but
-#   sweep and ab; ab: the causal forward with start- against end-aligned row blocks, NOTES v8)
+#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, tiles, bench (default: all
+#   but sweep, ab and tiles; ab: the causal forward with start- against end-aligned row blocks;
+#   tiles: the TMA forward's tile candidates, probe_sm90.py --sweep-tma; NOTES v8)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -38,7 +39,7 @@ if [[ ${COLD:-1} == 1 ]] && (has tests || has sanitize); then
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
 fi
-if has tests || has sanitize || has sweep || has bench; then
+if has tests || has sanitize || has sweep || has ab || has tiles || has bench; then
   $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
@@ -85,6 +86,14 @@ if has ab; then
   say "ab exit $?: $(grep 'ab correctness' "$LOGS/ab.log")"
   grep -E '^ab:' "$LOGS/ab.log" | tee -a "$SUMMARY" >/dev/null
   cp "$LOGS/ab.log" "$OUT/ab.log"
+fi
+
+if has tiles; then
+  timeout ${TILES_TIMEOUT:-400} $PY bench/probe_sm90.py --sweep-tma --seq ${TILES_SEQ:-1024 4096 16384} \
+    > "$LOGS/tiles.log" 2>&1
+  say "tiles exit $?"
+  grep -E '^(sweep|tma maps)' "$LOGS/tiles.log" | tee -a "$SUMMARY" >/dev/null
+  cp "$LOGS/tiles.log" "$OUT/tiles.log"
 fi
 
 if has bench; then
