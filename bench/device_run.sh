@@ -63,6 +63,11 @@ if has sanitize; then
       > "$LOGS/sanitize_$tool.log" 2>&1
     say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
   done
+  # The TMA forward whose consumers take turns at the tensor cores (named barriers): synccheck.
+  timeout 200 compute-sanitizer --tool synccheck --error-exitcode 9 $PY tests/gpu/sanitize_cases.py \
+    --head-dim 40 128 256 --forward-tiles 64:192,128,2,1 128:128,128,2,1 256:128,64,2,1 \
+    > "$LOGS/sanitize_synccheck_turns.log" 2>&1
+  say "compute-sanitizer synccheck (tensor-core turns) exit $?: $(grep -E 'ERROR SUMMARY|sanitize cases' "$LOGS/sanitize_synccheck_turns.log" | tr '\n' ' ')"
   # The TMA forward with end-aligned causal row blocks (rows before 0, the NaN-key repair case).
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $PY tests/gpu/sanitize_cases.py \
     --head-dim 40 128 256 --causal-end-aligned > "$LOGS/sanitize_memcheck_end_aligned.log" 2>&1
@@ -92,6 +97,11 @@ if has tiles; then
   timeout ${TILES_TIMEOUT:-400} $PY bench/probe_sm90.py --sweep-tma --seq ${TILES_SEQ:-1024 4096 16384} \
     > "$LOGS/tiles.log" 2>&1
   say "tiles exit $?"
+  # The consumers taking turns at the tensor cores (fourth field), in a call of their own: a
+  # schedule that hangs loses only these rows.
+  timeout ${TILES_TIMEOUT:-400} $PY bench/probe_sm90.py --sweep-tma 64:128,128,2,1 64:192,128,2,1 \
+    128:128,128,2,1 256:128,64,2,1 --seq ${TILES_SEQ:-1024 4096 16384} >> "$LOGS/tiles.log" 2>&1
+  say "tiles (turns) exit $?"
   grep -E '^(sweep|tma maps)' "$LOGS/tiles.log" | tee -a "$SUMMARY" >/dev/null
   cp "$LOGS/tiles.log" "$OUT/tiles.log"
 fi

@@ -452,11 +452,35 @@ def main() -> int:
     )
     parser.add_argument("--profile", action="store_true", help="device time per kernel")
     parser.add_argument(
+        "--check-tiles",
+        nargs="+",
+        metavar="D:BM,BN,S[,TURNS]",
+        help="only check the TMA forward with these tiles (bf16 and fp16, causal row blocks "
+        "start- and end-aligned) against the reference; exit 1 on a mismatch",
+    )
+    parser.add_argument(
         "--ab-causal-layout",
         action="store_true",
         help="causal forward with start- against end-aligned row blocks (after a check of both)",
     )
     args = parser.parse_args()
+    if args.check_tiles:
+        ok = True
+        for item in args.check_tiles:
+            d, tiles = item.split(":")
+            d, tiles = int(d), tuple(int(x) for x in tiles.split(","))
+            for dtype in (torch.bfloat16, torch.float16):
+                name = str(dtype)[6:]
+                _kernels.set_tile_override("forward_tma", name, d, tiles)
+                for end in (False, True):
+                    _kernels.set_causal_end_aligned(end)
+                    good = check_head_dim(d, dtype)
+                    verdict = "ok" if good else "WRONG"
+                    print(f"check-tiles: {d} {tiles} {name} end-aligned={end}: {verdict}")
+                    ok &= good
+                _kernels.set_causal_end_aligned(False)
+                _kernels.set_tile_override("forward_tma", name, d, None)
+        return 0 if ok else 1
     if args.ab_causal_layout:
         ok = True
         for end in (False, True):

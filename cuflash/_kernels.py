@@ -343,13 +343,17 @@ def tma_spec(
     hd = head_dim_bucket(head_dim)
     if not (uses_tma(family, arch, hd) and dtype in TENSOR_CORE_DTYPES):
         return None
-    bm, bn, stages = _tiles(family + "_tma", dtype, hd)
+    tiles = _tiles(family + "_tma", dtype, hd)
     long_tiles = _TMA_TILES_LONG.get((family, hd))
     if long_tiles and (family + "_tma", dtype, hd) not in _overrides:
         if seq_len >= long_tiles[0][1 if causal else 0]:
-            bm, bn, stages = long_tiles[1]
+            tiles = long_tiles[1]
+    bm, bn, stages = tiles[:3]
     key = (family, "tma")
-    expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}>"
+    # The forward's fourth tile field: its consumers take turns at the tensor cores (1) or not (0,
+    # the default; kernels_cu/tma.cuh, TensorCoreTurns).
+    turns = f", {tiles[3] if len(tiles) > 3 else 0}" if family == "forward" else ""
+    expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}{turns}>"
     row_bytes = hd * ITEMSIZE[dtype]
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.

@@ -53,11 +53,15 @@ struct Sm90ForwardBlock {
   // P for key tile j (in shared memory at k_tile): S = Q K_j^T for this warpgroup's 64 rows,
   // masked (MASKED: the tile straddles the diagonal or the end of the keys), turned into
   // unnormalised probabilities by the online softmax (acc_o rescaled) and rounded to A fragments.
-  template <bool MASKED>
+  // The products are issued in this warpgroup's tensor-core turn (Turns: TensorCoreTurns of
+  // tma.cuh, or NoTurns).
+  template <bool MASKED, typename Turns = NoTurns>
   __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
-                                                unsigned (&p)[Tr::K_PV][4]) {
+                                                unsigned (&p)[Tr::K_PV][4],
+                                                const Turns& turns = Turns()) {
     // k16 step kk reads 32 bytes of every row, in column block kk / 4.
     float s[1][Tr::NT_S][4];
+    turns.take();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_QK; ++kk) {
@@ -68,6 +72,7 @@ struct Sm90ForwardBlock {
       wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
     }
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     fence_accumulators(s[0]);
     if constexpr (MASKED) apply_mask(s, j * BN);
@@ -78,13 +83,17 @@ struct Sm90ForwardBlock {
 
   // O += P V_j (V_j in shared memory at v_tile): k16 step kk covers keys 16kk .. 16kk + 15, rows
   // of V_j 2048 bytes apart.
+  template <typename Turns = NoTurns>
   __device__ __forceinline__ void accumulate_pv(const unsigned char* v_tile,
-                                                unsigned (&p)[Tr::K_PV][4]) {
+                                                unsigned (&p)[Tr::K_PV][4],
+                                                const Turns& turns = Turns()) {
+    turns.take();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk)
       wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     fence_accumulators(acc_o[0]);
     // The A registers are read by the tensor cores until the wait: keep them alive until here.

@@ -34,9 +34,11 @@
 
 namespace cuflash {
 
-template <typename Elem, int HD, int BM, int BN, int STAGES>
+template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG>
 struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
   static constexpr int CONSUMERS = BM / 64;
+  // PINGPONG: the consumers take turns at the tensor cores (TensorCoreTurns, tma.cuh)
+  typedef typename ConsumerTurns<PINGPONG != 0, CONSUMERS>::type Turns;
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
   // Q buffers: the next work item's Q loads during this one
@@ -51,7 +53,7 @@ struct TmaForwardBarriers {
   unsigned long long k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES>
+template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_forward_tma(const __grid_constant__ TensorMap tm_q,
                           const __grid_constant__ TensorMap tm_k,
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                           i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq,
                           int nk, int d, float scale, int causal, int vec, int num_m_blocks,
                           float p_shift, int num_work, int row_shift) {
-  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES> Tr;
+  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, PINGPONG> Tr;
   constexpr int Q_BUFS = Tr::Q_BUFS;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
@@ -139,6 +141,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.wg = (warp - 4) >> 2;
   blk.causal = is_causal;
   blk.scale_log2 = scale * 1.4426950408889634f;
+  typename Tr::Turns turns;
+  turns.start(blk.wg);
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
@@ -161,11 +165,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       unsigned p[Tr::K_PV][4];
       mbar_wait(&bar.k_full[stage], phase);
       if (it < masked)
-        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, p);
+        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, p, turns);
       else
-        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, p);
+        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, p, turns);
       mbar_wait(&bar.v_full[stage], phase);
-      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, p);
+      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, p, turns);
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);  // this warp is done with K_j and V_j
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
@@ -205,6 +209,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           min(tiles.count * BN, nk), nq, nk, d, is_causal, lane);
     }
   }
+  turns.finish();
 }
 
 }  // namespace cuflash

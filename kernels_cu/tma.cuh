@@ -9,6 +9,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace cuflash {
 
@@ -113,6 +114,45 @@ struct WarpSpecialisedRegisters {
   static __device__ __forceinline__ void consumer() {
     if constexpr (CONSUMERS > 1) warpgroup_claim_registers<CONSUMER>();
   }
+};
+
+// Tensor-core turns of the consumer warpgroups (the "ping-pong" schedule of FlashAttention-3):
+// warpgroup c issues its products only in its turn and then hands the turn to c + 1 (mod
+// CONSUMERS), so that one warpgroup's softmax runs while the next one's products hold the tensor
+// cores, from the first key tile of every work item on (left alone, the warpgroups start each
+// item together and may stay in step). Named barrier 1 + c (0 is __syncthreads): c's 128 threads
+// sync on it, the 128 of the warpgroup before it arrive. Every consumer warpgroup must take the
+// same number of turns (they walk the same work items and key tiles).
+template <int CONSUMERS>
+struct TensorCoreTurns {
+  static constexpr int THREADS = 256;  // the warpgroup whose turn it is, and the one before it
+  int wg;
+  // For consumer warpgroup `consumer`; the last one hands the first turn to warpgroup 0.
+  __device__ __forceinline__ void start(int consumer) {
+    wg = consumer;
+    if (wg == CONSUMERS - 1) asm volatile("bar.arrive 1, %0;\n" ::"n"(THREADS) : "memory");
+  }
+  __device__ __forceinline__ void take() const {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "n"(THREADS) : "memory");
+  }
+  __device__ __forceinline__ void pass() const {
+    const int next = wg + 1 == CONSUMERS ? 0 : wg + 1;
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(THREADS) : "memory");
+  }
+  // After the last turn: warpgroup 0 takes the turn the last warpgroup handed on, so that no
+  // barrier is left with arrivals when the block exits.
+  __device__ __forceinline__ void finish() const {
+    if (wg == 0) take();
+  }
+};
+
+template <bool ON, int CONSUMERS>
+struct ConsumerTurns {
+  typedef NoTurns type;
+};
+template <int CONSUMERS>
+struct ConsumerTurns<true, CONSUMERS> {
+  typedef TensorCoreTurns<CONSUMERS> type;
 };
 
 // Buffers of the per-item tiles: two (the next item's load overlaps this one) where shared memory

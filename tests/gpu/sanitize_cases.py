@@ -60,7 +60,21 @@ def main() -> int:
         action="store_true",
         help="the TMA forward's causal row blocks aligned to the end (plus a NaN-key case)",
     )
+    parser.add_argument(
+        "--forward-tiles",
+        nargs="+",
+        metavar="D:BM,BN,S[,TURNS]",
+        help="the TMA forward's tiles for these head-dim buckets (both dtypes)",
+    )
     args = parser.parse_args()
+    for item in args.forward_tiles or ():
+        from cuflash import _kernels
+
+        bucket, tiles = item.split(":")
+        for name in ("float16", "bfloat16"):
+            _kernels.set_tile_override(
+                "forward_tma", name, int(bucket), tuple(int(x) for x in tiles.split(","))
+            )
     if args.causal_end_aligned:
         from cuflash import _kernels
 

@@ -5,6 +5,10 @@ other than sm_90."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from test_kernels import Case, check_case, make
 
@@ -127,3 +131,20 @@ def test_end_aligned_first_block_with_a_nonfinite_key(causal_end_aligned):
     o, lse = cuflash.attention_forward(q, k2, v, causal=True)
     assert bool(torch.isnan(o[0, :, 1]).all(-1).all())
     assert torch.equal(o[0, :, 0], clean_o[0, :, 0]) and torch.equal(lse[0, 0], clean_lse[0, 0])
+
+
+def test_tensor_core_turns_agree_with_the_reference():
+    # The forward whose consumer warpgroups take turns at the tensor cores (the fourth tile field;
+    # kernels_cu/tma.cuh, TensorCoreTurns), both dtypes, both causal row-block alignments, run in
+    # a child process with a time limit: a turn schedule that deadlocks fails here instead of
+    # hanging the suite.
+    root = Path(__file__).resolve().parents[2]
+    items = ["64:128,128,2,1", "64:192,128,2,1", "128:128,128,2,1", "256:128,64,2,1"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "probe_sm90.py"), "--check-tiles", *items],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(": ok") == 4 * 2 * 2, proc.stdout[-3000:]
