@@ -183,10 +183,8 @@ def bench(seqs, dims) -> None:
                 res = {}
                 for name, enabled in (("wgmma", True), ("sm80", False)):
                     _kernels.set_wgmma(enabled)
-                    _plans.clear()
                     res[name] = time_ms(lambda: cuflash.attention_forward(q, k, v, causal=causal))
                 _kernels.set_wgmma(True)
-                _plans.clear()
                 for name, backend in (
                     ("flash", SDPBackend.FLASH_ATTENTION),
                     ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -258,12 +256,10 @@ def sweep(configs: dict[int, list[tuple[int, ...]]], seqs, family: str = "forwar
         print(f"sweep: {d} sdpa-flash | {row_for(d, flash)}", flush=True)
         if family == "forward_tma":
             _kernels.set_tma(False)
-            _plans.clear()
             print(f"sweep: {d} cp.async table | {row_for(d, ours)}", flush=True)
             _kernels.set_tma(True)
         for t in tiles:
             _kernels.set_tile_override(family, "bfloat16", d, t)
-            _plans.clear()
             try:
                 ok = check_head_dim(d)
                 print(f"sweep: {d} {t} {'ok' if ok else 'WRONG'} | {row_for(d, ours)}", flush=True)
@@ -288,13 +284,11 @@ def bench_backward(seqs, dims) -> None:
                 res = {}
                 for name, enabled in (("wgmma", True), ("sm80", False)):
                     _kernels.set_wgmma(enabled)
-                    _plans.clear()
                     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
                     res[name] = time_ms(
                         lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
                     )
                 _kernels.set_wgmma(True)
-                _plans.clear()
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -346,13 +340,11 @@ def sweep_backward(
         for d in sorted({d for _, d in configs}):
             print(f"sweep-bwd: {d} sdpa-flash | {backward_row(d, seqs, flash=True)}", flush=True)
             _kernels.set_tma(False)
-            _plans.clear()
             print(f"sweep-bwd: {d} cp.async table | {backward_row(d, seqs)}", flush=True)
             _kernels.set_tma(True)
     for (family, d), tiles in configs.items():
         for t in tiles:
             _kernels.set_tile_override(family + suffix, "bfloat16", d, t)
-            _plans.clear()
             try:
                 ok = check_backward(torch.bfloat16, only_d=d, only_bad=True)
                 row = backward_row(d, seqs)
