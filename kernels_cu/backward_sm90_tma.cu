@@ -61,28 +61,6 @@ __device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delt
   }
 }
 
-// Writes an accumulator row pair (rows g and g + 8 of a warp's 16, times `factor`) as Elem to
-// global memory: rows >= nrows and columns >= d (a multiple of 8) are skipped.
-template <typename Elem, int NT>
-__device__ __forceinline__ void store_accumulator_rows(unsigned short* head, i64 stride, int row0,
-                                                       int nrows, int d, const float (&acc)[NT][4],
-                                                       float factor, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (row >= nrows) continue;
-    unsigned short* dst = head + row * stride;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int col = nt * 8 + 2 * t;
-      if (col < d)
-        *reinterpret_cast<unsigned*>(dst + col) =
-            ElemTraits<Elem>::pack2(acc[nt][2 * r] * factor, acc[nt][2 * r + 1] * factor);
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // dQ
 

@@ -183,20 +183,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
     unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
     float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
-    const int row0 = blk.m0 + blk.warp_row0, g = lane >> 2, t = lane & 3;
+    // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
+    const int row0 = blk.m0 + blk.warp_row0;
+    store_accumulator_rows<Elem, Tr::NT_O>(o_head, o_ss, row0, nq, d, blk.acc_o[0], 1.f, lane);
+    if ((lane & 3) == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + g + 8 * r;
-      if (row < 0 || row >= nq) continue;  // rows of the block before the first or past the last
-      unsigned short* dst = o_head + row * o_ss;
-#pragma unroll
-      for (int nt = 0; nt < Tr::NT_O; ++nt) {
-        const int col = nt * 8 + 2 * t;  // d is a multiple of 8: both columns or neither
-        if (col < d)
-          *reinterpret_cast<unsigned*>(dst + col) =
-              ElemTraits<Elem>::pack2(blk.acc_o[0][nt][2 * r], blk.acc_o[0][nt][2 * r + 1]);
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + (lane >> 2) + 8 * r;
+        if (row >= 0 && row < nq) lse_head[row] = lse_rows[0][r];
       }
-      if (t == 0) lse_head[row] = lse_rows[0][r];
     }
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
