@@ -21,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuflash import _kernels  # noqa: E402
 
+# The library's causal row-block alignment, restored after each comparison of the two.
+default_alignment = _kernels.causal_end_aligned()
+
 
 def block_tiles(m0: int, bm: int, bn: int, n: int, causal: bool) -> int:
     """Key tiles of the rows [m0, m0 + bm) of a sequence of n (Nq == Nk), mask.cuh's count."""
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
                 for end in (False, True):
                     _kernels.set_causal_end_aligned(end)
                     rows.append(schedule(n, bm, bn, heads, True, args.sms))
-                _kernels.set_causal_end_aligned(False)
+                _kernels.set_causal_end_aligned(default_alignment)
                 start, end_ = rows
                 print(
                     f"{d:3d} {f'({bm},{bn})':>10} {n:6d} | {full:5.3f} | "

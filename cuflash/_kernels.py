@@ -130,13 +130,14 @@ _TMA_TILES = {
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
 # Sequences of at least `threshold` query rows (not causal, causal) take taller query tiles where
-# those are faster (bench/NOTES.md, v7): {(family, bucket): ((threshold, causal threshold), tiles)}.
-_TMA_TILES_LONG = {("forward", 64): ((2048, 4096), (192, 128, 2))}
+# those are faster (bench/NOTES.md, v7; causal from 2048 since the end-aligned row blocks of v8):
+# {(family, bucket): ((threshold, causal threshold), tiles)}.
+_TMA_TILES_LONG = {("forward", 64): ((2048, 2048), (192, 128, 2))}
 _wgmma_enabled = True
 _tma_enabled = True
-# The TMA forward's causal row blocks: aligned to the end of the sequence (True) or to its start
-# (False, measured in v7). See causal_row_slots; off until the device measures it (NOTES v8).
-_causal_end_aligned = False
+# The TMA forward's causal row blocks: aligned to the end of the sequence (True), or to its start
+# (False, as in v7). See causal_row_slots; measured in v8 (bench/NOTES.md).
+_causal_end_aligned = True
 
 
 def set_wgmma(enabled: bool) -> None:
@@ -164,6 +165,11 @@ def set_causal_end_aligned(enabled: bool) -> None:
     global _causal_end_aligned
     _causal_end_aligned = bool(enabled)
     _plans.clear()
+
+
+def causal_end_aligned() -> bool:
+    """Whether the causal TMA forward's row blocks are aligned to the end of the sequence."""
+    return _causal_end_aligned
 
 
 def causal_row_slots(seq_q: int, rows_per_block: int, causal: bool) -> tuple[int, int]:

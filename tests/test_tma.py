@@ -113,12 +113,13 @@ def test_tma_instances():
                     consumers = 2 if split else spec.rows_per_block // 64
                     assert spec.threads == (consumers + 1) * 128, spec
                 assert _kernels.tma_spec(family, dtype, d, "sm_80") is None
-    # long sequences at d = 64 take taller query tiles in the forward, causal from 4096 rows
+    # long sequences at d = 64 take taller query tiles in the forward, from 2048 rows
     short = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 1024, False)
     long_full = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, False)
     long_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, True)
     assert short.rows_per_block == 128 and long_full.rows_per_block == 192
-    assert long_causal.rows_per_block == 128
+    assert long_causal.rows_per_block == 192
+    assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2047, True).rows_per_block == 128
     assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 4096, True).rows_per_block == 192
     _kernels.set_tma(False)
     try:
@@ -151,6 +152,7 @@ def _causal_key_tiles(block_rows: range, bn: int) -> int:
 @pytest.mark.parametrize("end_aligned", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_row_slots_cover_every_query_row_once(causal, end_aligned):
+    default = _kernels.causal_end_aligned()
     _kernels.set_causal_end_aligned(end_aligned)
     try:
         for bm in (64, 128, 192):
@@ -170,7 +172,7 @@ def test_row_slots_cover_every_query_row_once(causal, end_aligned):
                     assert (slots, shift) == (-(-seq_q // bm), 0)
                     assert all(len(r) == bm for r in rows[:-1])
     finally:
-        _kernels.set_causal_end_aligned(False)
+        _kernels.set_causal_end_aligned(default)
 
 
 def test_end_aligned_causal_blocks_run_fewer_key_tiles():
@@ -178,12 +180,14 @@ def test_end_aligned_causal_blocks_run_fewer_key_tiles():
     # key tiles; end-aligned, the partial block runs one: 363 tiles where 341.5 are useful
     # (bench/NOTES.md, v8).
     def tiles(seq_q, end_aligned):
+        default = _kernels.causal_end_aligned()
         _kernels.set_causal_end_aligned(end_aligned)
         try:
             return sum(_causal_key_tiles(r, 128) for r in _slot_rows(seq_q, 192, True))
         finally:
-            _kernels.set_causal_end_aligned(False)
+            _kernels.set_causal_end_aligned(default)
 
+    assert _kernels.causal_end_aligned()  # the default since v8
     assert tiles(4096, False) == 384 and tiles(4096, True) == 363
     for seq_q in (100, 1000, 2048, 8192, 16384, 5000):
         assert tiles(seq_q, True) <= tiles(seq_q, False)

@@ -4,7 +4,9 @@
 
 Each case runs the forward pass and the backward pass (preprocess, dK/dV, dQ) on odd sizes,
 grouped heads and causal masking, through both the 16-byte cp.async path (aligned) and the
-element-wise path (unaligned views). --all-buckets covers every head-dim instance.
+element-wise path (unaligned views), plus, for fp16 and bf16, a causal forward whose first
+(end-aligned) row block starts before row 0 and meets a NaN key (the repair path).
+--all-buckets covers every head-dim instance; --forward-tiles picks the TMA forward's tiles.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def run(
 
 
 def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
-    """Forward with end-aligned causal row blocks (cuflash._kernels.set_causal_end_aligned) on
-    Nq < Nk, with a NaN key that the first block's rows before 0 see: the repair path gets
-    those rows flagged and must not read or write them."""
+    """Forward on Nq < Nk under causal masking, with a NaN key that the first (end-aligned) row
+    block's rows before 0 see: the repair path gets those rows flagged and must not read or write
+    them."""
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (
         torch.randn(1, n, 2, d, generator=gen, device="cuda").to(dtype) for n in (100, 300, 300)
@@ -55,11 +57,6 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
     parser.add_argument("--head-dim", nargs="+", type=int, help="these head dims only")
-    parser.add_argument(
-        "--causal-end-aligned",
-        action="store_true",
-        help="the TMA forward's causal row blocks aligned to the end (plus a NaN-key case)",
-    )
     parser.add_argument(
         "--forward-tiles",
         nargs="+",
@@ -75,10 +72,6 @@ def main() -> int:
             _kernels.set_tile_override(
                 "forward_tma", name, int(bucket), tuple(int(x) for x in tiles.split(","))
             )
-    if args.causal_end_aligned:
-        from cuflash import _kernels
-
-        _kernels.set_causal_end_aligned(True)
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
     count = 0
@@ -89,7 +82,7 @@ def main() -> int:
                 count += 1
             run(dtype, d, True, aligned=False, nq=33, nk=70)
             count += 1
-            if args.causal_end_aligned and dtype in (torch.float16, torch.bfloat16):
+            if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(dtype, d)
                 count += 1
     print(f"sanitize cases: {count} forward+backward runs completed")
