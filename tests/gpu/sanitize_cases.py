@@ -41,9 +41,13 @@ def run(
 
 
 def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
-    """Forward on Nq < Nk under causal masking, with a NaN key that the first (end-aligned) row
-    block's rows before 0 see: the repair path gets those rows flagged and must not read or write
-    them."""
+    """Forward on Nq < Nk under causal masking, with end-aligned row blocks
+    (cuflash._kernels.set_causal_end_aligned) and a NaN key that the first block's rows before 0
+    see: the repair path gets those rows flagged and must not read or write them."""
+    from cuflash import _kernels
+
+    default = _kernels.causal_end_aligned()
+    _kernels.set_causal_end_aligned(True)
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (
         torch.randn(1, n, 2, d, generator=gen, device="cuda").to(dtype) for n in (100, 300, 300)
@@ -51,6 +55,7 @@ def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
     k[0, 150, 1, 0] = float("nan")
     cuflash.attention_forward(q, k, v, causal=True)
     torch.cuda.synchronize()
+    _kernels.set_causal_end_aligned(default)
 
 
 def main() -> int:

@@ -60,11 +60,11 @@ def test_aligned_calls_take_the_tma_kernels_and_unaligned_ones_do_not(head_dim, 
     [(2300, 2300, False), (4100, 4100, True), (2100, 700, True), (2000, 2000, True)],
 )
 def test_long_sequence_tiles(seq_q, seq_k, causal):
-    # d = 64 forward: 192-row query tiles from 2048 rows, cuflash/_kernels.py
+    # d = 64 forward: 192-row query tiles from 2048 rows (4096 causal), cuflash/_kernels.py
     case = Case(1, 1, 2, seq_q, seq_k, 64, "float16", "bshd", causal, None, "contiguous", 9)
     check_case(case, "long tiles")
     fwd, _ = plans_of(case)
-    want = 192 if seq_q >= 2048 else 128
+    want = 192 if seq_q >= (4096 if causal else 2048) else 128
     assert fwd.tma_loaded.spec.rows_per_block == want
 
 
@@ -78,8 +78,8 @@ def test_patched_tensor_maps_equal_the_drivers():
 
 @pytest.fixture
 def causal_end_aligned():
-    """The TMA forward's causal row blocks aligned to the end of the sequence (the default since
-    NOTES v8; set here so that the tests keep covering it whatever the default)."""
+    """The TMA forward's causal row blocks aligned to the end of the sequence (NOTES v8), whatever
+    the default."""
     default = _kernels.causal_end_aligned()
     _kernels.set_causal_end_aligned(True)
     yield
