@@ -131,14 +131,15 @@ _TMA_TILES = {
 }
 # Sequences of at least `threshold` query rows (not causal, causal) take taller query tiles where
 # those are faster (bench/NOTES.md, v7): {(family, bucket): ((threshold, causal threshold), tiles)}.
-# With end-aligned causal row blocks the causal threshold can drop to 2048 (v8).
-_TMA_TILES_LONG = {("forward", 64): ((2048, 4096), (192, 128, 2))}
+# The causal threshold is 2048 with end-aligned causal row blocks (v8: at 2k causal the tall tiles
+# ran 342 TFLOP/s end-aligned against 307 for the 128-row ones; start-aligned they ran 258).
+_TMA_TILES_LONG = {("forward", 64): ((2048, 2048), (192, 128, 2))}
 _wgmma_enabled = True
 _tma_enabled = True
-# The TMA forward's causal row blocks: aligned to the end of the sequence (True), or to its start
-# (False, as in v7). See causal_row_slots. Measured faster in v8 (bench/NOTES.md) and correct in
-# the GPU tests that set it; off by default until the whole GPU suite has run with it on.
-_causal_end_aligned = False
+# The TMA forward's causal row blocks: aligned to the end of the sequence (True, the default since
+# v9), or to its start (False, as in v7). See causal_row_slots. End alignment measured +5-9% on the
+# d = 64 causal forward at 4k-8k in v8 (bench/NOTES.md) and no change elsewhere.
+_causal_end_aligned = True
 
 
 def set_wgmma(enabled: bool) -> None:

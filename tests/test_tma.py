@@ -113,13 +113,13 @@ def test_tma_instances():
                     consumers = 2 if split else spec.rows_per_block // 64
                     assert spec.threads == (consumers + 1) * 128, spec
                 assert _kernels.tma_spec(family, dtype, d, "sm_80") is None
-    # long sequences at d = 64 take taller query tiles in the forward, causal from 4096 rows
+    # long sequences at d = 64 take taller query tiles in the forward, causal or not, from 2048 rows
     short = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 1024, False)
+    short_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2047, True)
     long_full = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, False)
     long_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, True)
-    assert short.rows_per_block == 128 and long_full.rows_per_block == 192
-    assert long_causal.rows_per_block == 128
-    assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 4096, True).rows_per_block == 192
+    assert short.rows_per_block == 128 and short_causal.rows_per_block == 128
+    assert long_full.rows_per_block == 192 and long_causal.rows_per_block == 192
     _kernels.set_tma(False)
     try:
         assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a") is None

@@ -60,11 +60,11 @@ def test_aligned_calls_take_the_tma_kernels_and_unaligned_ones_do_not(head_dim, 
     [(2300, 2300, False), (4100, 4100, True), (2100, 700, True), (2000, 2000, True)],
 )
 def test_long_sequence_tiles(seq_q, seq_k, causal):
-    # d = 64 forward: 192-row query tiles from 2048 rows (4096 causal), cuflash/_kernels.py
+    # d = 64 forward: 192-row query tiles from 2048 rows, causal or not, cuflash/_kernels.py
     case = Case(1, 1, 2, seq_q, seq_k, 64, "float16", "bshd", causal, None, "contiguous", 9)
     check_case(case, "long tiles")
     fwd, _ = plans_of(case)
-    want = 192 if seq_q >= (4096 if causal else 2048) else 128
+    want = 192 if seq_q >= 2048 else 128
     assert fwd.tma_loaded.spec.rows_per_block == want
 
 
@@ -76,14 +76,24 @@ def test_patched_tensor_maps_equal_the_drivers():
         assert tile_map.bytes_for(address) == tile_map.encode(address)
 
 
+def _with_causal_alignment(end_aligned: bool):
+    """Set the TMA forward's causal row-block alignment (NOTES v8) for one test, then restore it."""
+    default = _kernels.causal_end_aligned()
+    _kernels.set_causal_end_aligned(end_aligned)
+    yield end_aligned
+    _kernels.set_causal_end_aligned(default)
+
+
 @pytest.fixture
 def causal_end_aligned():
-    """The TMA forward's causal row blocks aligned to the end of the sequence (NOTES v8), whatever
-    the default."""
-    default = _kernels.causal_end_aligned()
-    _kernels.set_causal_end_aligned(True)
-    yield
-    _kernels.set_causal_end_aligned(default)
+    """Causal row blocks aligned to the end of the sequence, whatever the default."""
+    yield from _with_causal_alignment(True)
+
+
+@pytest.fixture(params=[True, False], ids=["end-aligned", "start-aligned"])
+def causal_alignment(request):
+    """Both alignments: end (the default) and start (set_causal_end_aligned(False))."""
+    yield from _with_causal_alignment(request.param)
 
 
 @pytest.mark.parametrize(
@@ -92,22 +102,26 @@ def causal_end_aligned():
 @pytest.mark.parametrize(
     "seq_q,seq_k", [(64, 64), (193, 193), (333, 333), (1000, 1000), (517, 900), (900, 517)]
 )
-def test_end_aligned_causal_row_blocks(causal_end_aligned, head_dim, tiles, seq_q, seq_k):
-    # The partial row block comes first (its rows start before 0) and odd block counts get an
-    # empty slot: every real row is written once, rows before 0 never (outputs start as NaN).
+def test_causal_row_blocks(causal_alignment, head_dim, tiles, seq_q, seq_k):
+    # End-aligned, the partial row block comes first (its rows start before 0) and odd block
+    # counts get an empty slot; start-aligned, the last block is the partial one. Either way every
+    # real row is written once, rows before 0 never (outputs start as NaN).
     if tiles:
         _kernels.set_tile_override("forward_tma", "bfloat16", head_dim, tiles)
     try:
         case = Case(
             2, 2, 2, seq_q, seq_k, head_dim, "bfloat16", "bshd", True, None, "contiguous", 5
         )
-        check_case(case, "end-aligned causal rows")
+        check_case(case, "causal row blocks")
         fwd, _ = plans_of(case)
         bm = fwd.tma_loaded.spec.rows_per_block
         assert fwd.tma and (fwd.tma_slots, fwd.tma_row_shift) == _kernels.causal_row_slots(
             seq_q, bm, True
         )
-        assert fwd.tma_slots % 2 == 0 and fwd.tma_row_shift == fwd.tma_slots * bm - seq_q
+        if causal_alignment:
+            assert fwd.tma_slots % 2 == 0 and fwd.tma_row_shift == fwd.tma_slots * bm - seq_q
+        else:
+            assert fwd.tma_row_shift == 0 and fwd.tma_slots == -(-seq_q // bm)
     finally:
         if tiles:
             _kernels.set_tile_override("forward_tma", "bfloat16", head_dim, None)
