@@ -9,7 +9,9 @@ CuPy attention (S = Q K^T materialised). The grid follows the FlashAttention pap
 Hq = 2048 / d, so every point has 16k tokens and a model width of 2048; plus grouped heads
 (Hq = 32, Hkv = 8) at d = 128. FLOPs: forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x
 the forward. Each time is the median of many runs after warm-up, timed with CUDA events on
-repetitions queued back to back (device time; --sync-each-rep for the method up to v7).
+repetitions queued back to back (device time; --sync-each-rep for the method up to v7). The
+points of one shape (every method, causal and not) are timed in interleaved rounds on the same
+inputs (--rounds), so that their ratios are measured side by side.
 
 Writes bench_results.json, bench_table.txt and bench_plot.png (TFLOP/s against N) to --out, and
 prints the table last.
@@ -18,12 +20,14 @@ prints the table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -148,57 +152,154 @@ def naive_cupy(q, k, v, causal: bool, scale: float):
     return p @ vc
 
 
-def bench_point(p: Point, methods: list[str], args) -> Point:
-    scale = 1.0 / math.sqrt(p.head_dim)
+@dataclass
+class Job:
+    """One timed quantity of a configuration: a method's forward or backward at one causal value.
+    Its repetition times accumulate over the rounds of bench_config."""
+
+    point: Point
+    method: str
+    which: str  # "fwd" or "bwd"
+    fn: Callable[[], object]
+    # entered around each batch of repetitions (SDPA's backend choice), not around every call
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    reps_per_round: int = 1
+    times: list[float] = field(default_factory=list)
+    failed: bool = False
+
+
+def rep_times(job: Job, reps: int, sync_each_rep: bool) -> list[float]:
+    """Times of `reps` calls of job.fn, each between two CUDA events on the current stream: queued
+    back to back and waited for once (device time), or each waited for (sync_each_rep)."""
+    events = []
+    with job.context():
+        for _ in range(reps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            job.fn()
+            end.record()
+            if sync_each_rep:
+                end.synchronize()
+            events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def method_jobs(p: Point, method: str, q, k, v, do, scale: float, args) -> list[Job]:
+    """The timed calls of `method` at point p (forward, and backward where it has one), each run
+    once here so that a peer that does not support the case fails before the timing starts."""
     gqa = p.heads_q != p.heads_kv
-    reps = dict(
-        warmup=args.warmup,
-        min_reps=args.reps,
-        min_time_ms=args.min_time_ms,
-        sync_each_rep=args.sync_each_rep,
-    )
-    q, k, v = make_inputs(p, requires_grad=True)
+    if method == "cuflash":
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        o, lse = cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd")
+        cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd")
+        return [
+            Job(
+                p,
+                method,
+                "fwd",
+                lambda: cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd"),
+            ),
+            Job(
+                p,
+                method,
+                "bwd",
+                lambda: cuflash.attention_backward(
+                    do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd"
+                ),
+            ),
+        ]
+    if method == "naive":
+        if p.dtype == "bfloat16":
+            raise Skip("skipped: CuPy has no bfloat16 matrix product")
+        if p.batch * p.heads_q * p.seq * p.seq * 6 > args.naive_limit_gb * 2**30:
+            raise Skip("skipped: S and P would not fit")
+        naive_cupy(q, k, v, p.causal, scale)
+        return [Job(p, method, "fwd", lambda: naive_cupy(q, k, v, p.causal, scale))]
+    backend = sdpa_backend(method)
+
+    def context():
+        return torch.nn.attention.sdpa_kernel(backend)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal, enable_gqa=gqa)
+
+    with context():
+        out = fwd()
+
+    def bwd():
+        return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+    jobs = [Job(p, method, "fwd", lambda: fwd().detach(), context)]
+    try:
+        bwd()
+        jobs.append(Job(p, method, "bwd", bwd, context))
+    except Exception as exc:  # a backend with a forward but no backward for the case
+        p.errors[method] = f"backward: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return jobs
+
+
+class Skip(Exception):
+    """A peer that is left out of a point on purpose (the reason is recorded, not an error)."""
+
+
+def bench_config(points: list[Point], methods: list[str], args) -> None:
+    """Time every method on `points`, which share dtype, shape and inputs and differ in `causal`.
+
+    The calls are timed in `args.rounds` rounds; each round times every (method, causal, fwd/bwd)
+    once, in alternating order, and each time is the median of all repetitions of all rounds.
+    Compared quantities (cuflash against a peer, causal against non-causal) are thus measured
+    side by side within a few seconds, so a slow drift of the GPU's clock between points (it
+    runs at its power limit) does not enter their ratios (bench/NOTES.md, v9)."""
+    p0 = points[0]
+    scale = 1.0 / math.sqrt(p0.head_dim)
+    q, k, v = make_inputs(p0, requires_grad=True)
     do = torch.randn_like(q)
-    for method in methods:
+    jobs: list[Job] = []
+    for p in points:
+        for method in methods:
+            try:
+                jobs += method_jobs(p, method, q, k, v, do, scale, args)
+            except Skip as why:
+                p.errors[method] = str(why)
+            except Exception as exc:  # a peer that does not support the case
+                p.errors[method] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+    def attempt(job: Job, action: Callable[[], None]) -> None:
+        if job.failed:
+            return
         try:
-            if method == "cuflash":
-                qd, kd, vd = q.detach(), k.detach(), v.detach()
-                o, lse = cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd")
-                p.fwd_ms[method] = time_ms(
-                    lambda: cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd"),
-                    **reps,
-                )
-                p.bwd_ms[method] = time_ms(
-                    lambda: cuflash.attention_backward(
-                        do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd"
-                    ),
-                    **reps,
-                )
-            elif method == "naive":
-                if p.dtype == "bfloat16":
-                    p.errors[method] = "skipped: CuPy has no bfloat16 matrix product"
-                    continue
-                if p.batch * p.heads_q * p.seq * p.seq * 6 > args.naive_limit_gb * 2**30:
-                    p.errors[method] = "skipped: S and P would not fit"
-                    continue
-                p.fwd_ms[method] = time_ms(lambda: naive_cupy(q, k, v, p.causal, scale), **reps)
-            else:
-                with torch.nn.attention.sdpa_kernel(sdpa_backend(method)):
+            action()
+        except Exception as exc:  # e.g. out of memory beside the other jobs' buffers
+            job.failed = True
+            job.point.errors[job.method] = f"{job.which}: {type(exc).__name__}: {str(exc)[:120]}"
 
-                    def fwd():
-                        return F.scaled_dot_product_attention(
-                            q, k, v, is_causal=p.causal, enable_gqa=gqa
-                        )
+    def prepare(job: Job) -> None:  # warm-up, then repetitions per round from a first estimate
+        with job.context():
+            for _ in range(args.warmup):
+                job.fn()
+        estimate = statistics.median(rep_times(job, 3, True))
+        total = min(1000, max(args.reps, math.ceil(args.min_time_ms / max(estimate, 1e-3))))
+        job.reps_per_round = max(1, math.ceil(total / rounds))
 
-                    out = fwd()
-                    p.fwd_ms[method] = time_ms(lambda: fwd().detach(), **reps)
-                    p.bwd_ms[method] = time_ms(
-                        lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), **reps
-                    )
-        except Exception as exc:  # a peer that does not support the case
-            p.errors[method] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        torch.cuda.empty_cache()
-    return p
+    rounds = max(1, args.rounds)
+    for job in jobs:
+        attempt(job, lambda job=job: prepare(job))
+    for r in range(rounds):
+        for job in jobs if r % 2 == 0 else reversed(jobs):
+            attempt(
+                job,
+                lambda job=job: job.times.extend(
+                    rep_times(job, job.reps_per_round, args.sync_each_rep)
+                ),
+            )
+    for job in jobs:
+        if job.times and not job.failed:
+            ms = job.point.fwd_ms if job.which == "fwd" else job.point.bwd_ms
+            ms[job.method] = statistics.median(job.times)
+    del jobs
+    torch.cuda.empty_cache()
 
 
 def host_overhead(calls: int = 1000) -> dict[str, float]:
@@ -356,6 +457,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--min-time-ms", type=float, default=100.0)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="interleaved rounds per shape: every method, causal and not, timed once per round",
+    )
+    parser.add_argument(
         "--sync-each-rep",
         action="store_true",
         help="wait for each timed call before the next (the method up to v7): times include "
@@ -382,9 +489,12 @@ def main(argv=None) -> int:
         def tqdm(xs, **_):
             return xs
 
+    configs: dict[tuple, list[Point]] = {}
+    for p in points:  # the causal and non-causal points of a shape share inputs and rounds
+        configs.setdefault((p.dtype, p.head_dim, p.seq, p.heads_q, p.heads_kv), []).append(p)
     start = time.time()
-    for p in tqdm(points, desc="benchmark", file=sys.stderr, mininterval=5):
-        bench_point(p, methods, args)
+    for group in tqdm(list(configs.values()), desc="benchmark", file=sys.stderr, mininterval=5):
+        bench_config(group, methods, args)
     overhead = None if args.no_overhead else host_overhead()
     memory = None if args.no_memory else memory_table(args.memory_seq)
 
@@ -396,13 +506,17 @@ def main(argv=None) -> int:
         "cuflash": cuflash.__version__,
         "seconds": time.time() - start,
         "timing": "sync-each-rep" if args.sync_each_rep else "back-to-back",
+        "rounds": args.rounds,
         "points": [asdict(p) for p in points],
         "host_overhead_us": overhead,
         "memory_mib": memory,
     }
     (out / "bench_results.json").write_text(json.dumps(results, indent=1))
     timing = "each call waited for" if args.sync_each_rep else "calls queued back to back"
-    text = [f"device: {device}; median device time per call, {timing}", table]
+    text = [
+        f"device: {device}; median time per call, {timing}, in {args.rounds} interleaved rounds",
+        table,
+    ]
     if overhead:
         text.append(
             "host overhead per call (B=1 H=1 N=64 d=64, mean of 1000): "
