@@ -3,9 +3,11 @@
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
-#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, tiles, bench (default: all
-#   but sweep, ab and tiles; ab: the causal forward with start- against end-aligned row blocks;
-#   tiles: the TMA forward's tile candidates, probe_sm90.py --sweep-tma; NOTES v8)
+#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, tiles, items, bench
+#   (default: all but sweep, ab, tiles and items; ab: the causal forward with start- against
+#   end-aligned row blocks; tiles: the TMA forward's tile candidates, probe_sm90.py --sweep-tma;
+#   NOTES v8; items: per-item and per-key-tile cost of the forward, probe_sm90.py --item-costs,
+#   NOTES v9)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -39,7 +41,7 @@ if [[ ${COLD:-1} == 1 ]] && (has tests || has sanitize); then
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
 fi
-if has tests || has sanitize || has sweep || has ab || has tiles || has bench; then
+if has tests || has sanitize || has sweep || has ab || has tiles || has items || has bench; then
   $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
@@ -100,6 +102,14 @@ if has tiles; then
   say "tiles (turns) exit $?"
   grep -E '^(sweep|tma maps)' "$LOGS/tiles.log" | tee -a "$SUMMARY" >/dev/null
   cp "$LOGS/tiles.log" "$OUT/tiles.log"
+fi
+
+if has items; then
+  timeout ${ITEMS_TIMEOUT:-200} $PY bench/probe_sm90.py --item-costs --head-dim 64 128 256 \
+    --seq ${ITEMS_SEQ:-2048 4096 16384} > "$LOGS/items.log" 2>&1
+  say "items exit $?"
+  grep -E '^items:' "$LOGS/items.log" | tee -a "$SUMMARY" >/dev/null
+  cp "$LOGS/items.log" "$OUT/items.log"
 fi
 
 if has bench; then
