@@ -300,7 +300,7 @@ class ForwardPlan:
             p.scale,
             int(p.causal),
         )
-        self.tma = self.strides_aligned and self._tma_setup(p, (qi, ki, vi), strides[:3])
+        self.tma = self.strides_aligned and self._tma_setup(p, (qi, ki, vi), strides)
         self.loaded = None if self.tma else self._load_table_kernel()
 
     def _load_table_kernel(self) -> _Loaded:
@@ -311,7 +311,9 @@ class ForwardPlan:
         return loaded
 
     def _tma_setup(self, p: Problem, infos: tuple, strides: list) -> bool:
-        """Tensor maps of q, k and v and the persistent grid, where the TMA kernel applies."""
+        """Tensor maps of q, k and v (and of o, written in boxes of 64 rows, one per consumer
+        warpgroup, where the instance stores O with the TMA unit) and the persistent grid, where
+        the TMA kernel applies."""
         arch = device_arch(self.device)
         spec = _kernels.tma_spec("forward", p.dtype, p.head_dim, arch, p.seq_q, p.causal)
         if spec is None:
@@ -320,27 +322,43 @@ class ForwardPlan:
         maps = _tile_maps(
             p,
             infos,
-            tuple(strides),
+            tuple(strides[:3]),
             (p.seq_q, p.seq_k, p.seq_k),
             (p.heads_q, p.heads_kv, p.heads_kv),
             (spec.rows_per_block, kv_rows, kv_rows),
         )
         if maps is None:
             return False
+        # o is allocated contiguous per call (q's address stands in until a call patches in its
+        # own; its strides are 16-byte multiples, checked with q's). Should the driver refuse its
+        # map, the instance that writes O from registers runs instead.
+        o_map = None
+        if spec.o_via_tma:
+            o_maps = _tile_maps(p, infos[:1], (strides[3],), (p.seq_q,), (p.heads_q,), (64,))
+            if o_maps is None:
+                spec = _kernels.tma_spec(
+                    "forward", p.dtype, p.head_dim, arch, p.seq_q, p.causal, o_via_tma=False
+                )
+            else:
+                o_map = o_maps[0]
         self.maps = maps
+        self.o_map = o_map
         self.tma_loaded = load(spec, self.device)
         self.tma_slots, self.tma_row_shift = _kernels.causal_row_slots(
             p.seq_q, spec.rows_per_block, p.causal
         )
         self.tma_work = self.tma_slots * p.batch * p.heads_q
         self.tma_grid = _persistent_grid(self.tma_work, p.causal, self.device)
-        self.tma_fmt = "128s128s128s" + self.fmt + "ii"
+        self.tma_fmt = "128s128s128s128s" + self.fmt + "ii"
         return True
 
     def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> None:
         aligned = not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
         if self.tma and aligned:
             q_map, k_map, v_map = self.maps
+            q_bytes = q_map.bytes_for(q_ptr)
+            # without TMA stores the kernel never reads its O map: q's bytes stand in
+            o_bytes = self.o_map.bytes_for(o_ptr) if self.o_map else q_bytes
             _launch(
                 self.tma_loaded,
                 self.tma_grid,
@@ -348,9 +366,10 @@ class ForwardPlan:
                 self.stream(self.device),
                 self.tma_fmt,
                 (
-                    q_map.bytes_for(q_ptr),
+                    q_bytes,
                     k_map.bytes_for(k_ptr),
                     v_map.bytes_for(v_ptr),
+                    o_bytes,
                     q_ptr,
                     k_ptr,
                     v_ptr,

@@ -140,6 +140,11 @@ _tma_enabled = True
 # v9), or to its start (False, as in v7). See causal_row_slots. End alignment measured +5-9% on the
 # d = 64 causal forward at 4k-8k in v8 (bench/NOTES.md) and no change elsewhere.
 _causal_end_aligned = True
+# The TMA forward writes O through a shared-memory staging tile and TMA stores where shared memory
+# has room for it (head dims up to 128), or straight from registers (False: the v8 epilogue, for
+# comparisons). See kernels_cu/forward_sm90_tma.cu and bench/NOTES.md, v9.
+_tma_store_enabled = True
+_TMA_STORE_MAX_HEAD_DIM = 128
 
 
 def set_wgmma(enabled: bool) -> None:
@@ -159,6 +164,20 @@ def set_tma(enabled: bool) -> None:
     _tma_enabled = bool(enabled)
     tma_spec.cache_clear()
     _plans.clear()
+
+
+def set_tma_store(enabled: bool) -> None:
+    """Write the TMA forward's O through a staging tile and TMA stores where it fits (default), or
+    straight from registers (for comparisons). Plans built before the switch are dropped."""
+    global _tma_store_enabled
+    _tma_store_enabled = bool(enabled)
+    tma_spec.cache_clear()
+    _plans.clear()
+
+
+def tma_store_enabled() -> bool:
+    """Whether the TMA forward writes O through TMA stores where it fits (set_tma_store)."""
+    return _tma_store_enabled
 
 
 def set_causal_end_aligned(enabled: bool) -> None:
@@ -259,6 +278,7 @@ class KernelSpec:
     smem_bytes: int
     rows_per_block: int  # sequence rows a block owns: queries (keys for dkdv; rows for preprocess)
     rows_per_step: int  # rows of each tile it streams: keys (queries for dkdv)
+    o_via_tma: bool = False  # TMA forward: O written through a staging tile by the TMA unit
 
 
 def head_dim_bucket(d: int) -> int:
@@ -343,11 +363,19 @@ def kernel_spec(family: str, dtype: str, head_dim: int, arch: str = "sm_80") -> 
 
 @cache
 def tma_spec(
-    family: str, dtype: str, head_dim: int, arch: str, seq_len: int = 0, causal: bool = False
+    family: str,
+    dtype: str,
+    head_dim: int,
+    arch: str,
+    seq_len: int = 0,
+    causal: bool = False,
+    o_via_tma: bool = True,
 ) -> KernelSpec | None:
     """The warp-specialised TMA instance for `family` on `arch` (for `seq_len` query rows, where
     long sequences take other tiles), or None where there is none. A plan runs it for the calls
-    whose arrays the TMA unit can read, and kernel_spec's instance for the others."""
+    whose arrays the TMA unit can read, and kernel_spec's instance for the others. The forward
+    writes O with TMA stores where it can (head dim bucket <= 128, set_tma_store) unless
+    `o_via_tma` is False (for outputs the TMA unit cannot write)."""
     hd = head_dim_bucket(head_dim)
     if not (uses_tma(family, arch, hd) and dtype in TENSOR_CORE_DTYPES):
         return None
@@ -361,14 +389,24 @@ def tma_spec(
     # The forward's fourth tile field: its consumers take turns at the tensor cores (1) or not (0,
     # the default; kernels_cu/tma.cuh, TensorCoreTurns).
     turns = f", {tiles[3] if len(tiles) > 3 else 0}" if family == "forward" else ""
+    # Its fifth template flag: O through a staging tile and TMA stores (1) or from registers (0).
+    stage_o = (
+        family == "forward" and o_via_tma and _tma_store_enabled and hd <= _TMA_STORE_MAX_HEAD_DIM
+    )
+    if family == "forward":
+        turns += f", {int(stage_o)}"
     expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}{turns}>"
     row_bytes = hd * ITEMSIZE[dtype]
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
-    if family == "forward":  # Q per buffer; K and V per stage; two barriers and three per stage
-        smem = (bufs * bm + 2 * stages * bn) * row_bytes + 8 * (2 * bufs + 3 * stages) + 1024
+    if family == "forward":  # Q per buffer; K and V per stage; the O staging tile; two barriers
+        # per buffer and three per stage
+        tiles_rows = bufs * bm + 2 * stages * bn + (bm if stage_o else 0)
+        smem = tiles_rows * row_bytes + 8 * (2 * bufs + 3 * stages) + 1024
         threads = (bm // 64 + 1) * 128
-        return KernelSpec(family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn)
+        return KernelSpec(
+            family, dtype, hd, _SOURCE_FILE[key], expr, threads, smem, bm, bn, stage_o
+        )
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
         smem = (2 * bufs * bm + 2 * stages * bn) * row_bytes + 8 * bufs * bm
         smem += 8 * (2 * bufs + 2 * stages) + 1024
@@ -406,11 +444,12 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
         for dt in DTYPES:
             specs.extend(kernel_spec(family, dt, hd, arch) for hd in HEAD_DIM_BUCKETS)
     tma = {
-        tma_spec(f, dt, hd, arch, seq)
+        tma_spec(f, dt, hd, arch, seq, False, o_via_tma)
         for f in ("forward", "dkdv", "dq")
         for dt in DTYPES
         for hd in HEAD_DIM_BUCKETS
         for seq in (0, 1 << 30)
+        for o_via_tma in (True, False)  # the forward without TMA stores serves other outputs
     }
     return specs + sorted((s for s in tma if s is not None), key=lambda s: s.name_expression)
 

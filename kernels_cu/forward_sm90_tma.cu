@@ -10,11 +10,20 @@
 // 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full" barrier.
 // Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the loop body
 // of forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
-// before O += P V_j, and release the stage on its "empty" barrier. The producer loads the next
-// work item's Q and first K/V tiles while the consumers finish the current one and write O and
-// lse straight from registers. No block-wide barrier after the set-up: each warpgroup runs at
+// before O += P V_j, and release the stage on its "empty" barrier, and the Q buffer after the
+// item's last S. The producer loads the next work item's Q and first K/V tiles while the
+// consumers finish the current one (with one Q buffer, HD = 256, the first K/V tiles before Q:
+// their stages free up first). No block-wide barrier after the set-up: each warpgroup runs at
 // its own pace within the pipeline's depth. The copies zero-fill rows past N and columns past d,
 // so the consumers see padded tiles as the cp.async kernel builds them.
+//
+// Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile) each consumer
+// warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the map's swizzled
+// layout) and one of its threads hands the tile to the TMA unit, which writes the rows that exist
+// (not those before 0 or past Nq, not the columns past d) while the warpgroup goes on to its next
+// item; the staging tile is reused once that store has read it. This per-item epilogue cost sets
+// the causal / non-causal ratio at N = 4k (NOTES v9). Without it, or where a row of the
+// warpgroup needs the NaN/Inf repair, O is written straight from registers.
 //
 // Row blocks: slot b of a head holds the query rows [b BM - row_shift, (b + 1) BM - row_shift).
 // The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under causal
@@ -34,9 +43,13 @@
 
 namespace cuflash {
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG>
+template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG, int O_VIA_TMA>
 struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
   static constexpr int CONSUMERS = BM / 64;
+  // O through a staging tile and TMA stores (see the top of the file)
+  static constexpr bool STAGE_O = O_VIA_TMA != 0;
+  static constexpr int O_STAGE_BYTES = STAGE_O ? BM * HD * 2 : 0;
+  static constexpr int STAGE_O_BARRIER = 8;  // named barrier 8 + consumer warpgroup
   // PINGPONG: the consumers take turns at the tensor cores (TensorCoreTurns, tma.cuh)
   typedef typename ConsumerTurns<PINGPONG != 0, CONSUMERS>::type Turns;
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
@@ -53,18 +66,43 @@ struct TmaForwardBarriers {
   unsigned long long k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG>
+// Stages this warp's 16 rows of the normalised O (acc, the accumulator fragments) as 16-bit
+// elements in the staging tile: column block c (64 columns, 128 bytes a row) of the warpgroup's 64
+// rows at sO + c BM 128 + wg 64 128, 16-byte chunks swizzled as the TMA unit's 128-byte swizzle
+// lays them out (chunk k of row r at k ^ (r % 8)). stmatrix x4 writes n-tiles nt and nt + 1, rows
+// 0-7 and 8-15.
+template <typename Elem, int HD, int BM>
+__device__ __forceinline__ void stage_output_rows(unsigned char* sO, const float (&acc)[HD / 8][4],
+                                                  int wg, int warp_row0_in_wg, int lane) {
+  unsigned char* base = sO + wg * (64 * 128);
+  const int m = lane >> 3;                                    // the matrix this lane addresses
+  const int row = warp_row0_in_wg + 8 * (m & 1) + (lane & 7);  // within the warpgroup's 64 rows
+#pragma unroll
+  for (int nt = 0; nt < HD / 8; nt += 2) {
+    const int chunk = nt + (m >> 1);  // 16-byte column chunk of the lane's matrix
+    unsigned char* addr =
+        base + (chunk >> 3) * (BM * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+    stmatrix_x4(addr, ElemTraits<Elem>::pack2(acc[nt][0], acc[nt][1]),
+                ElemTraits<Elem>::pack2(acc[nt][2], acc[nt][3]),
+                ElemTraits<Elem>::pack2(acc[nt + 1][0], acc[nt + 1][1]),
+                ElemTraits<Elem>::pack2(acc[nt + 1][2], acc[nt + 1][3]));
+  }
+}
+
+template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG, int O_VIA_TMA>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_forward_tma(const __grid_constant__ TensorMap tm_q,
                           const __grid_constant__ TensorMap tm_k,
-                          const __grid_constant__ TensorMap tm_v, const unsigned short* __restrict__ q,
+                          const __grid_constant__ TensorMap tm_v,
+                          const __grid_constant__ TensorMap tm_o, const unsigned short* __restrict__ q,
                           const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
                           unsigned short* __restrict__ o, float* __restrict__ lse, i64 q_sb,
                           i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh,
                           i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq,
                           int nk, int d, float scale, int causal, int vec, int num_m_blocks,
                           float p_shift, int num_work, int row_shift) {
-  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, PINGPONG> Tr;
+  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, PINGPONG, O_VIA_TMA> Tr;
+  static_assert(!Tr::STAGE_O || HD <= 128, "an O staging tile fits in shared memory at HD <= 128");
   constexpr int Q_BUFS = Tr::Q_BUFS;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
@@ -72,8 +110,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   unsigned char* sQ = smem;                         // Q_BUFS tiles
   unsigned char* sK = sQ + Q_BUFS * Tr::Q_BYTES;    // STAGES tiles
   unsigned char* sV = sK + STAGES * Tr::KV_BYTES;   // STAGES tiles
+  unsigned char* sO = sV + STAGES * Tr::KV_BYTES;   // the O staging tile (STAGE_O)
   TmaForwardBarriers<Q_BUFS, STAGES>& bar =
-      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sV + STAGES * Tr::KV_BYTES);
+      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sO + Tr::O_STAGE_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool is_causal = causal != 0;
   const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
@@ -95,6 +134,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     prefetch_tensor_map(&tm_q);
     prefetch_tensor_map(&tm_k);
     prefetch_tensor_map(&tm_v);
+    if constexpr (Tr::STAGE_O) prefetch_tensor_map(&tm_o);
     int pipe = 0;  // K/V tiles issued so far: stage pipe % STAGES, its use number pipe / STAGES
     int round = 0;  // work items done
     for (int step = 0; !walk.done(step); ++step) {
@@ -104,13 +144,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const int kv_head = bc.head / group, m0 = bc.block * BM - row_shift;
       if (m0 + BM <= 0) continue;  // an empty slot (row_shift above)
       const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-      const int qb = acquire_to_fill(bar.q_empty, round);
-      mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &tm_q, &bar.q_full[qb], 64 * c, m0,
-                    bc.head, bc.batch);
-      for (int it = 0; it < tiles.count; ++it, ++pipe) {
+      // Visit `it` of this item's key tiles into the next stage, once the consumers released it.
+      auto load_kv = [&](int it) {
         const int stage = pipe % STAGES;
         const int n0 = key_tile_at(it, tiles) * BN;
         mbar_wait(&bar.kv_empty[stage], ((pipe / STAGES) & 1) ^ 1);
@@ -124,7 +159,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
           tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &tm_v, &bar.v_full[stage], 64 * c,
                       n0, kv_head, bc.batch);
-      }
+        ++pipe;
+      };
+      // With one Q buffer it frees up only when the consumers have finished the previous item's
+      // S products, after the stages of its last tiles: load this item's first tiles before
+      // waiting for it, so that they are under way when the item starts.
+      const int early = Q_BUFS == 1 ? min(tiles.count, STAGES) : 0;
+      for (int it = 0; it < early; ++it) load_kv(it);
+      const int qb = acquire_to_fill(bar.q_empty, round);
+      mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
+#pragma unroll
+      for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &tm_q, &bar.q_full[qb], 64 * c, m0,
+                    bc.head, bc.batch);
+      for (int it = early; it < tiles.count; ++it) load_kv(it);
     }
     return;
   }
@@ -143,6 +191,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.scale_log2 = scale * 1.4426950408889634f;
   typename Tr::Turns turns;
   turns.start(blk.wg);
+  // The thread that issues this warpgroup's O stores (STAGE_O)
+  const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
@@ -158,6 +208,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     unsigned repair = 0;
     const int qb = acquire_to_read(bar.q_full, round);
     blk.sQ = sQ + qb * Tr::Q_BYTES;
+    auto release_q = [&]() {  // the producer may load a Q into this buffer again
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&bar.q_empty[qb]);
+    };
     for (int it = 0; it < tiles.count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       const unsigned phase = (pipe / STAGES) & 1;
@@ -168,16 +222,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, p, turns);
       else
         blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, p, turns);
+      if (it == tiles.count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
       mbar_wait(&bar.v_full[stage], phase);
       blk.accumulate_pv(sV + stage * Tr::KV_BYTES, p, turns);
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);  // this warp is done with K_j and V_j
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&bar.q_empty[qb]);  // the producer may load a Q into it again
+    if (tiles.count == 0) release_q();
 
-    // Epilogue: normalise, write this lane's pairs of O straight from registers, and lse.
+    // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
+    // from registers) and lse.
     float lse_rows[1][2];
     blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
     const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
@@ -185,7 +240,28 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
     const int row0 = blk.m0 + blk.warp_row0;
-    store_accumulator_rows<Elem, Tr::NT_O>(o_head, o_ss, row0, nq, d, blk.acc_o[0], 1.f, lane);
+    bool staged = false;
+    if constexpr (Tr::STAGE_O) {
+      // The last item's store has read the staging tile (its issuer waited; the barrier tells the
+      // others), and no row of the warpgroup needs the repair, whose stores would race the TMA's.
+      if (o_issuer) bulk_wait_read<0>();
+      staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0);
+      if (staged) {
+        stage_output_rows<Elem, HD, BM>(sO, blk.acc_o[0], blk.wg, blk.warp_row0 - 64 * blk.wg,
+                                        lane);
+        fence_proxy_async_shared();
+        warpgroup_sync(Tr::STAGE_O_BARRIER + blk.wg);
+        if (o_issuer) {
+#pragma unroll
+          for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+            tma_store_4d(&tm_o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c,
+                         blk.m0 + 64 * blk.wg, bc.head, bc.batch);
+          bulk_commit();
+        }
+      }
+    }
+    if (!staged)
+      store_accumulator_rows<Elem, Tr::NT_O>(o_head, o_ss, row0, nq, d, blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -204,6 +280,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           min(tiles.count * BN, nk), nq, nk, d, is_causal, lane);
     }
   }
+  if (o_issuer) bulk_wait<0>();  // the last stores have completed before the block exits
   turns.finish();
 }
 

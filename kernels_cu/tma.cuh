@@ -83,6 +83,74 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uns
       : "memory");
 }
 
+// Copies the box at `src` (shared memory, 1024-byte aligned, in the map's swizzled layout) to the
+// coordinates (c0, c1, c2, c3) of a 4-D tensor map in global memory; elements outside the tensor
+// (rows before 0 or past N, columns past d) are not written. The copy joins the issuing thread's
+// current bulk group (bulk_commit, bulk_wait_read).
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<unsigned long long>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Closes the issuing thread's bulk group of stores.
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Waits until the issuing thread's bulk groups, all but the newest N, have read their shared
+// memory (the buffer may be written again) ...
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// ... or have completed, writes included.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Makes this thread's shared-memory writes visible to the TMA unit (the async proxy); a barrier
+// after it makes them visible to the thread that issues the copy.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Barrier `id` over the 128 threads of one warpgroup that also returns whether `pred` holds for
+// any of them (bar.red.or). Ids 1..3 are TensorCoreTurns'; callers use 8 and up.
+__device__ __forceinline__ bool warpgroup_any(int id, bool pred) {
+  unsigned any;
+  asm volatile(
+      "{\n.reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.or.pred q, %2, 128, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<unsigned>(pred)), "r"(id)
+      : "memory");
+  return any != 0;
+}
+
+// Barrier `id` over the 128 threads of one warpgroup.
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// Four 8 x 8 matrices of 16-bit elements from registers to shared memory (stmatrix): register i
+// of lane l holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i (the accumulator
+// fragment's layout), and lane l gives the address of row l % 8 of matrix l / 8 (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(void* row_address, unsigned r0, unsigned r1, unsigned r2,
+                                            unsigned r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+          smem_addr(row_address)),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map))
                : "memory");

@@ -191,3 +191,30 @@ def test_end_aligned_causal_blocks_run_fewer_key_tiles():
         assert tiles(seq_q, True) <= tiles(seq_q, False)
     # no partial block: the same blocks either way
     assert tiles(3840, True) == tiles(3840, False)
+
+
+def test_forward_writes_o_with_tma_stores_where_shared_memory_has_room():
+    # An O staging tile (BM rows) fits beside Q and the K/V stages up to head dim 128; the
+    # instances without it serve set_tma_store(False) and outputs the driver will not map, and
+    # the compile check builds both (kernels_cu/forward_sm90_tma.cu).
+    limit = 227 * 1024  # sm_90's opt-in shared memory per block
+    names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
+    for dtype in _kernels.TENSOR_CORE_DTYPES:
+        for d, seq in ((64, 1024), (64, 8192), (128, 1024), (256, 1024)):
+            staged = _kernels.tma_spec("forward", dtype, d, "sm_90a", seq)
+            direct = _kernels.tma_spec("forward", dtype, d, "sm_90a", seq, o_via_tma=False)
+            assert staged.o_via_tma == (d <= 128) and not direct.o_via_tma
+            assert staged.name_expression.endswith(", 1>" if d <= 128 else ", 0>")
+            assert direct.name_expression.endswith(", 0>")
+            extra = staged.rows_per_block * d * 2 if d <= 128 else 0
+            assert staged.smem_bytes == direct.smem_bytes + extra <= limit
+            assert {staged.name_expression, direct.name_expression} <= names
+    _kernels.set_tma_store(False)
+    try:
+        assert _kernels.tma_store_enabled() is False
+        assert not _kernels.tma_spec("forward", "bfloat16", 128, "sm_90a").o_via_tma
+    finally:
+        _kernels.set_tma_store(True)
+    assert _kernels.tma_spec("forward", "bfloat16", 128, "sm_90a").o_via_tma
+    # the backward kernels write their gradients as before
+    assert not _kernels.tma_spec("dq", "bfloat16", 128, "sm_90a").o_via_tma
