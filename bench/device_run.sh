@@ -3,7 +3,7 @@
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
-#   MODES: comma-separated from tests, sanitize, overhead, sweep, ab, tiles, items, bench
+#   MODES: comma-separated from sass, tests, sanitize, overhead, sweep, ab, tiles, items, bench
 #   (default: all but sweep, ab, tiles and items; ab: the causal forward with start- against
 #   end-aligned row blocks; tiles: the TMA forward's tile candidates, probe_sm90.py --sweep-tma;
 #   NOTES v8; items: per-item and per-key-tile cost of the forward, probe_sm90.py --item-costs,
@@ -46,6 +46,20 @@ if has tests || has sanitize || has sweep || has ab || has tiles || has items ||
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
 
+if has sass; then
+  # The TMA forward's machine code: stmatrix (STSM) and TMA stores (UTMASTG) where O is staged,
+  # register-stored O (STG) where it is not; per instance (bf16).
+  $PY -c "
+from cuflash import _kernels, compile_check as cc
+specs = [s for s in _kernels.all_specs('sm_90a')
+         if s.source == 'forward_sm90_tma.cu' and s.dtype == 'bfloat16']
+print(cc.translation_unit('forward_sm90_tma.cu', specs))" > "$LOGS/sass_unit.cu"
+  nvcc -cubin -arch=sm_90a -std=c++17 -O3 -o "$LOGS/fwd.cubin" "$LOGS/sass_unit.cu" \
+    && cuobjdump -sass "$LOGS/fwd.cubin" > "$LOGS/fwd.sass"
+  awk '/Function :/{f=$3} /STSM|UTMASTG|UTMALDG|STG\.E/{for(i=1;i<=NF;i++) if($i ~ /^(STSM|UTMASTG|UTMALDG|STG)/){split($i,a,".");c[f" "a[1]]++}}
+       END{for(k in c) print "sass:", c[k], k}' "$LOGS/fwd.sass" | sort -k3 | tee -a "$SUMMARY"
+fi
+
 if has tests; then
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest tests -q \
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
@@ -53,6 +67,14 @@ if has tests; then
   say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/tests.log" | tail -1)"
   sed -n '/cuflash GPU errors/,/^$/p' "$LOGS/tests.log" | tee -a "$SUMMARY"
   grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+if has items; then
+  timeout ${ITEMS_TIMEOUT:-200} $PY bench/probe_sm90.py --item-costs --head-dim 64 128 256 \
+    --seq ${ITEMS_SEQ:-2048 4096 16384} > "$LOGS/items.log" 2>&1
+  say "items exit $?"
+  grep -E '^items:' "$LOGS/items.log" | tee -a "$SUMMARY" >/dev/null
+  cp "$LOGS/items.log" "$OUT/items.log"
 fi
 
 if has sanitize; then
@@ -64,6 +86,13 @@ if has sanitize; then
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY tests/gpu/sanitize_cases.py $args \
       > "$LOGS/sanitize_$tool.log" 2>&1
     say "compute-sanitizer $tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$LOGS/sanitize_$tool.log" | tr '\n' ' ')"
+  done
+  # The TMA forward with three consumer warpgroups (192-row tiles, taken from 2048 rows on): its
+  # O staging tile and TMA stores (NOTES v9) under memcheck and racecheck.
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY tests/gpu/sanitize_cases.py \
+      --head-dim 40 --forward-tiles 64:192,128,2 > "$LOGS/sanitize_${tool}_192.log" 2>&1
+    say "compute-sanitizer $tool (192-row forward tiles) exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases' "$LOGS/sanitize_${tool}_192.log" | tr '\n' ' ')"
   done
   # The TMA forward whose consumers take turns at the tensor cores (named barriers): synccheck.
   timeout 200 compute-sanitizer --tool synccheck --error-exitcode 9 $PY tests/gpu/sanitize_cases.py \
@@ -102,14 +131,6 @@ if has tiles; then
   say "tiles (turns) exit $?"
   grep -E '^(sweep|tma maps)' "$LOGS/tiles.log" | tee -a "$SUMMARY" >/dev/null
   cp "$LOGS/tiles.log" "$OUT/tiles.log"
-fi
-
-if has items; then
-  timeout ${ITEMS_TIMEOUT:-200} $PY bench/probe_sm90.py --item-costs --head-dim 64 128 256 \
-    --seq ${ITEMS_SEQ:-2048 4096 16384} > "$LOGS/items.log" 2>&1
-  say "items exit $?"
-  grep -E '^items:' "$LOGS/items.log" | tee -a "$SUMMARY" >/dev/null
-  cp "$LOGS/items.log" "$OUT/items.log"
 fi
 
 if has bench; then

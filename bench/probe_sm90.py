@@ -429,47 +429,53 @@ def item_costs(seqs, dims, rounds: int = 5) -> None:
     keys: per item, 32, 16.5 and 8.5 key tiles at N = 4096, BN = 128, the last two ending in a
     half-masked tile as the causal diagonal does. A least-squares line through the three gives a
     cost per item (intercept) and per key tile (slope); the causal forward, whose items average
-    the middle point's tiles, is then compared with that line's prediction. bf16, B = 16384 / N,
-    H = 2048 / d; the four runs are timed in alternating rounds, medians printed."""
+    the middle point's tiles, is then compared with that line's prediction. Both ways of writing
+    O (TMA stores and from registers, set_tma_store) in the same rounds. bf16, B = 16384 / N,
+    H = 2048 / d; the runs are timed in alternating rounds, medians printed."""
     print(
-        "items: d N BM BN | ms: full, half keys, quarter keys, causal | per item us, per tile us"
-        " | causal predicted ms, measured/predicted | causal/full TFLOP/s ratio"
+        "items: d N BM BN O-store | ms: full, half keys, quarter keys, causal | per item us, "
+        "per tile us | causal predicted ms, measured/predicted | causal/full TFLOP/s ratio"
     )
+    default_store = _kernels.tma_store_enabled()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for d in dims:
         for n in seqs:
             b, h, (q, k, v) = grid_inputs(n, d, 3)
             spec = _kernels.tma_spec("forward", "bfloat16", d, "sm_90a", n, True)
             bm, bn = spec.rows_per_block, spec.rows_per_step
             key_counts = (n, n // 2 + bn // 2, n // 4 + bn // 2)
-            runs = [
+            calls = [
                 (lambda nk=nk: cuflash.attention_forward(q, k[:, :nk], v[:, :nk]))
                 for nk in key_counts
             ]
-            runs.append(lambda: cuflash.attention_forward(q, k, v, causal=True))
+            calls.append(lambda: cuflash.attention_forward(q, k, v, causal=True))
+            runs = [(store, call) for store in (True, False) for call in calls]
             times: list[list[float]] = [[] for _ in runs]
             for r in range(rounds):
                 order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
                 for i in order:
-                    times[i].append(time_ms(runs[i]))
-            ms = [sorted(t)[len(t) // 2] for t in times]
-            # time = items_per_sm * (c + tiles_per_item * t): fit c and t on the non-causal runs
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            items_per_sm = math.ceil(b * h * math.ceil(n / bm) / sms)
-            xs = [math.ceil(nk / bn) for nk in key_counts]
-            ys = [m * 1e3 / items_per_sm for m in ms[:3]]
-            mx, my = sum(xs) / 3, sum(ys) / 3
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-                (x - mx) ** 2 for x in xs
-            )
-            intercept = my - slope * mx
-            causal_tiles = (n / bn + 1) / 2  # mean key tiles of a causal item (diagonal included)
-            predicted = items_per_sm * (intercept + causal_tiles * slope) / 1e3
-            print(
-                f"items: {d} {n} {bm} {bn} | {ms[0]:.3f} {ms[1]:.3f} {ms[2]:.3f} {ms[3]:.3f} | "
-                f"{intercept:6.2f} {slope:5.2f} | {predicted:.3f} {ms[3] / predicted:.3f} | "
-                f"{ms[0] / (2 * ms[3]):.3f}",
-                flush=True,
-            )
+                    _kernels.set_tma_store(runs[i][0])
+                    times[i].append(time_ms(runs[i][1]))
+            _kernels.set_tma_store(default_store)
+            for v_index, store in enumerate(("tma", "registers")):
+                ms = [sorted(t)[len(t) // 2] for t in times[4 * v_index : 4 * v_index + 4]]
+                # time = items_per_sm * (c + tiles_per_item * t): c and t from the non-causal runs
+                items_per_sm = math.ceil(b * h * math.ceil(n / bm) / sms)
+                xs = [math.ceil(nk / bn) for nk in key_counts]
+                ys = [m * 1e3 / items_per_sm for m in ms[:3]]
+                mx, my = sum(xs) / 3, sum(ys) / 3
+                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+                    (x - mx) ** 2 for x in xs
+                )
+                intercept = my - slope * mx
+                causal_tiles = (n / bn + 1) / 2  # mean key tiles of a causal item, diagonal too
+                predicted = items_per_sm * (intercept + causal_tiles * slope) / 1e3
+                print(
+                    f"items: {d} {n} {bm} {bn} {store} | {ms[0]:.3f} {ms[1]:.3f} {ms[2]:.3f} "
+                    f"{ms[3]:.3f} | {intercept:6.2f} {slope:5.2f} | {predicted:.3f} "
+                    f"{ms[3] / predicted:.3f} | {ms[0] / (2 * ms[3]):.3f}",
+                    flush=True,
+                )
 
 
 def main() -> int:
