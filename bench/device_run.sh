@@ -3,7 +3,7 @@
 # benchmark. Full logs go to $OUT; a short summary is printed last.
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
-#   MODES: comma-separated from sass, tests, sanitize, overhead, sweep, ab, tiles, items, bench
+#   MODES: comma-separated from sass, store, tests, sanitize, overhead, sweep, ab, tiles, items, bench
 #   (default: all but sweep, ab, tiles and items; ab: the causal forward with start- against
 #   end-aligned row blocks; tiles: the TMA forward's tile candidates, probe_sm90.py --sweep-tma;
 #   NOTES v8; items: per-item and per-key-tile cost of the forward, probe_sm90.py --item-costs,
@@ -41,7 +41,8 @@ if [[ ${COLD:-1} == 1 ]] && (has tests || has sanitize); then
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
   # Warm the cache for every instance in parallel.
 fi
-if has tests || has sanitize || has sweep || has ab || has tiles || has items || has bench; then
+if has store || has tests || has sanitize || has sweep || has ab || has tiles || has items ||
+  has bench; then
   $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
   say "precompile: $(tail -1 "$LOGS/precompile.log")"
 fi
@@ -58,6 +59,13 @@ print(cc.translation_unit('forward_sm90_tma.cu', specs))" > "$LOGS/sass_unit.cu"
     && cuobjdump -sass "$LOGS/fwd.cubin" > "$LOGS/fwd.sass"
   awk '/Function :/{f=$3} /STSM|UTMASTG|UTMALDG|STG\.E/{for(i=1;i<=NF;i++) if($i ~ /^(STSM|UTMASTG|UTMALDG|STG)/){split($i,a,".");c[f" "a[1]]++}}
        END{for(k in c) print "sass:", c[k], k}' "$LOGS/fwd.sass" | sort -k3 | tee -a "$SUMMARY"
+fi
+
+if has store; then
+  # Which TMA stores of the forward's O tile the hardware accepts (bench/tma_store_probe.py)
+  timeout 240 $PY bench/tma_store_probe.py > "$LOGS/store.log" 2>&1
+  say "store probe exit $?"
+  grep -E '^tma store' "$LOGS/store.log" | tee -a "$SUMMARY" >/dev/null
 fi
 
 if has tests; then

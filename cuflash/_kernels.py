@@ -374,8 +374,8 @@ def tma_spec(
     """The warp-specialised TMA instance for `family` on `arch` (for `seq_len` query rows, where
     long sequences take other tiles), or None where there is none. A plan runs it for the calls
     whose arrays the TMA unit can read, and kernel_spec's instance for the others. The forward
-    writes O with TMA stores where it can (head dim bucket <= 128, set_tma_store) unless
-    `o_via_tma` is False (for outputs the TMA unit cannot write)."""
+    writes O with TMA stores where it can (d = 64 or 128, filling its bucket; set_tma_store)
+    unless `o_via_tma` is False (for outputs the TMA unit cannot write)."""
     hd = head_dim_bucket(head_dim)
     if not (uses_tma(family, arch, hd) and dtype in TENSOR_CORE_DTYPES):
         return None
@@ -390,8 +390,14 @@ def tma_spec(
     # the default; kernels_cu/tma.cuh, TensorCoreTurns).
     turns = f", {tiles[3] if len(tiles) > 3 else 0}" if family == "forward" else ""
     # Its fifth template flag: O through a staging tile and TMA stores (1) or from registers (0).
+    # Only where d fills the bucket, so that the TMA unit writes whole boxes (the kernel stages a
+    # warpgroup's rows only when they all exist: partial boxes fault in TMA stores, NOTES v9).
     stage_o = (
-        family == "forward" and o_via_tma and _tma_store_enabled and hd <= _TMA_STORE_MAX_HEAD_DIM
+        family == "forward"
+        and o_via_tma
+        and _tma_store_enabled
+        and hd <= _TMA_STORE_MAX_HEAD_DIM
+        and head_dim == hd
     )
     if family == "forward":
         turns += f", {int(stage_o)}"

@@ -17,13 +17,14 @@
 // its own pace within the pipeline's depth. The copies zero-fill rows past N and columns past d,
 // so the consumers see padded tiles as the cp.async kernel builds them.
 //
-// Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile) each consumer
-// warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the map's swizzled
-// layout) and one of its threads hands the tile to the TMA unit, which writes the rows that exist
-// (not those before 0 or past Nq, not the columns past d) while the warpgroup goes on to its next
-// item; the staging tile is reused once that store has read it. This per-item epilogue cost sets
-// the causal / non-causal ratio at N = 4k (NOTES v9). Without it, or where a row of the
-// warpgroup needs the NaN/Inf repair, O is written straight from registers.
+// Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile, and d == HD)
+// each consumer warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the
+// map's swizzled layout) and one of its threads hands the tile to the TMA unit, which writes it
+// while the warpgroup goes on to its next item; the staging tile is reused once that store has
+// read it. This per-item epilogue cost sets the causal / non-causal ratio at N = 4k (NOTES v9).
+// A warpgroup whose rows reach before row 0 or past Nq (a TMA store of such a box faults), or
+// one with a row that needs the NaN/Inf repair, writes O straight from registers, as every
+// warpgroup does without O_VIA_TMA.
 //
 // Row blocks: slot b of a head holds the query rows [b BM - row_shift, (b + 1) BM - row_shift).
 // The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under causal
@@ -243,9 +244,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     bool staged = false;
     if constexpr (Tr::STAGE_O) {
       // The last item's store has read the staging tile (its issuer waited; the barrier tells the
-      // others), and no row of the warpgroup needs the repair, whose stores would race the TMA's.
+      // others). The warpgroup stages O when its 64 rows all exist: a TMA store of a box that
+      // reaches before row 0 or past row Nq faults on the H100 (bench/tma_store_probe.py, NOTES
+      // v9; loads of such boxes are fine), and no row may need the repair, whose stores would
+      // race the TMA's. Otherwise it writes O from registers.
       if (o_issuer) bulk_wait_read<0>();
-      staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0);
+      const int box_row0 = blk.m0 + 64 * blk.wg;
+      const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= nq;
+      staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0 || !whole_box);
       if (staged) {
         stage_output_rows<Elem, HD, BM>(sO, blk.acc_o[0], blk.wg, blk.warp_row0 - 64 * blk.wg,
                                         lane);
@@ -254,8 +260,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         if (o_issuer) {
 #pragma unroll
           for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-            tma_store_4d(&tm_o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c,
-                         blk.m0 + 64 * blk.wg, bc.head, bc.batch);
+            tma_store_4d(&tm_o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c, box_row0,
+                         bc.head, bc.batch);
           bulk_commit();
         }
       }

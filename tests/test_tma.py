@@ -209,6 +209,10 @@ def test_forward_writes_o_with_tma_stores_where_shared_memory_has_room():
             extra = staged.rows_per_block * d * 2 if d <= 128 else 0
             assert staged.smem_bytes == direct.smem_bytes + extra <= limit
             assert {staged.name_expression, direct.name_expression} <= names
+    # head dims below their bucket write O from registers (the unit would store partial boxes)
+    for d in (40, 120):
+        spec = _kernels.tma_spec("forward", "bfloat16", d, "sm_90a")
+        assert spec is not None and not spec.o_via_tma
     _kernels.set_tma_store(False)
     try:
         assert _kernels.tma_store_enabled() is False

@@ -13,6 +13,19 @@ import pytest
 from gpu_records import EXAMPLES, RECORD
 
 
+@pytest.fixture(autouse=True, scope="session")
+def o_store_from_environment():
+    """CUFLASH_TEST_O_STORE=registers runs the suite with the TMA forward writing O from
+    registers (cuflash._kernels.set_tma_store(False)) instead of through TMA stores."""
+    from cuflash import _kernels
+
+    default = _kernels.tma_store_enabled()
+    if os.environ.get("CUFLASH_TEST_O_STORE") == "registers":
+        _kernels.set_tma_store(False)
+    yield
+    _kernels.set_tma_store(default)
+
+
 @pytest.fixture(autouse=True)
 def poisoned_outputs():
     """Every output buffer starts as NaN, so an element no kernel writes fails the comparison."""

@@ -68,7 +68,16 @@ def main() -> int:
         metavar="D:BM,BN,S[,TURNS]",
         help="the TMA forward's tiles for these head-dim buckets (both dtypes)",
     )
+    parser.add_argument(
+        "--register-store",
+        action="store_true",
+        help="the TMA forward writes O from registers (set_tma_store(False))",
+    )
     args = parser.parse_args()
+    if args.register_store:
+        from cuflash import _kernels
+
+        _kernels.set_tma_store(False)
     for item in args.forward_tiles or ():
         from cuflash import _kernels
 
