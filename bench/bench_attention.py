@@ -74,6 +74,22 @@ class Point:
         )
 
 
+def event_times(fn, reps: int, sync_each_rep: bool) -> list[float]:
+    """Times of `reps` calls of fn, each between two CUDA events on the current stream: queued
+    back to back and waited for once (device time), or each waited for (sync_each_rep)."""
+    events = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if sync_each_rep:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def time_ms(
     fn, warmup: int, min_reps: int, min_time_ms: float, sync_each_rep: bool = False
 ) -> float:
@@ -91,17 +107,7 @@ def time_ms(
     torch.cuda.synchronize()
 
     def timed(reps: int, sync: bool) -> list[float]:
-        events = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            if sync:
-                end.synchronize()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in events]
+        return event_times(fn, reps, sync)
 
     if sync_each_rep:
         times: list[float] = []
@@ -169,21 +175,9 @@ class Job:
 
 
 def rep_times(job: Job, reps: int, sync_each_rep: bool) -> list[float]:
-    """Times of `reps` calls of job.fn, each between two CUDA events on the current stream: queued
-    back to back and waited for once (device time), or each waited for (sync_each_rep)."""
-    events = []
+    """event_times of job.fn inside its context."""
     with job.context():
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            job.fn()
-            end.record()
-            if sync_each_rep:
-                end.synchronize()
-            events.append((start, end))
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+        return event_times(job.fn, reps, sync_each_rep)
 
 
 def method_jobs(p: Point, method: str, q, k, v, do, scale: float, args) -> list[Job]:

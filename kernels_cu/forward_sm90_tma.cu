@@ -22,9 +22,9 @@
 // map's swizzled layout) and one of its threads hands the tile to the TMA unit, which writes it
 // while the warpgroup goes on to its next item; the staging tile is reused once that store has
 // read it. This per-item epilogue cost sets the causal / non-causal ratio at N = 4k (NOTES v9).
-// A warpgroup whose rows reach before row 0 or past Nq (a TMA store of such a box faults), or
-// one with a row that needs the NaN/Inf repair, writes O straight from registers, as every
-// warpgroup does without O_VIA_TMA.
+// A warpgroup whose rows reach before row 0 or past Nq (TMA stores of such boxes fault, NOTES
+// v9), or one with a row that needs the NaN/Inf repair, writes O straight from registers, as
+// every warpgroup does without O_VIA_TMA.
 //
 // Row blocks: slot b of a head holds the query rows [b BM - row_shift, (b + 1) BM - row_shift).
 // The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under causal
@@ -245,9 +245,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     if constexpr (Tr::STAGE_O) {
       // The last item's store has read the staging tile (its issuer waited; the barrier tells the
       // others). The warpgroup stages O when its 64 rows all exist: a TMA store of a box that
-      // reaches before row 0 or past row Nq faults on the H100 (bench/tma_store_probe.py, NOTES
-      // v9; loads of such boxes are fine), and no row may need the repair, whose stores would
-      // race the TMA's. Otherwise it writes O from registers.
+      // starts before row 0 faults on the H100 (bench/tma_store_probe.py; loads of such boxes
+      // are fine), and this epilogue's first version faulted on calls whose partial boxes ran
+      // past Nq too (NOTES v9). No row may need the repair either, whose stores would race the
+      // TMA's. Otherwise the warpgroup writes O from registers.
       if (o_issuer) bulk_wait_read<0>();
       const int box_row0 = blk.m0 + 64 * blk.wg;
       const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= nq;
