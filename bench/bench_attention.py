@@ -106,19 +106,16 @@ def time_ms(
         fn()
     torch.cuda.synchronize()
 
-    def timed(reps: int, sync: bool) -> list[float]:
-        return event_times(fn, reps, sync)
-
     if sync_each_rep:
         times: list[float] = []
         while len(times) < min_reps or sum(times) < min_time_ms:
-            times += timed(1, True)
+            times += event_times(fn, 1, True)
             if len(times) >= 1000:
                 break
         return statistics.median(times)
-    estimate = statistics.median(timed(3, True))
+    estimate = statistics.median(event_times(fn, 3, True))
     reps = min(1000, max(min_reps, math.ceil(min_time_ms / max(estimate, 1e-3))))
-    return statistics.median(timed(reps, False))
+    return statistics.median(event_times(fn, reps, False))
 
 
 def sdpa_backend(name: str):

@@ -457,18 +457,19 @@ def item_costs(seqs, dims, rounds: int = 5) -> None:
                     _kernels.set_tma_store(runs[i][0])
                     times[i].append(time_ms(runs[i][1]))
             _kernels.set_tma_store(default_store)
+            # time = items_per_sm * (c + tiles_per_item * t): c and t from the non-causal runs
+            items_per_sm = math.ceil(b * h * math.ceil(n / bm) / sms)
+            xs = [math.ceil(nk / bn) for nk in key_counts]
+            mx = sum(xs) / 3
+            causal_tiles = (n / bn + 1) / 2  # mean key tiles of a causal item, diagonal too
             for v_index, store in enumerate(("tma", "registers")):
                 ms = [sorted(t)[len(t) // 2] for t in times[4 * v_index : 4 * v_index + 4]]
-                # time = items_per_sm * (c + tiles_per_item * t): c and t from the non-causal runs
-                items_per_sm = math.ceil(b * h * math.ceil(n / bm) / sms)
-                xs = [math.ceil(nk / bn) for nk in key_counts]
                 ys = [m * 1e3 / items_per_sm for m in ms[:3]]
-                mx, my = sum(xs) / 3, sum(ys) / 3
+                my = sum(ys) / 3
                 slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
                     (x - mx) ** 2 for x in xs
                 )
                 intercept = my - slope * mx
-                causal_tiles = (n / bn + 1) / 2  # mean key tiles of a causal item, diagonal too
                 predicted = items_per_sm * (intercept + causal_tiles * slope) / 1e3
                 print(
                     f"items: {d} {n} {bm} {bn} {store} | {ms[0]:.3f} {ms[1]:.3f} {ms[2]:.3f} "

@@ -386,10 +386,9 @@ def tma_spec(
             tiles = long_tiles[1]
     bm, bn, stages = tiles[:3]
     key = (family, "tma")
-    # The forward's fourth tile field: its consumers take turns at the tensor cores (1) or not (0,
-    # the default; kernels_cu/tma.cuh, TensorCoreTurns).
-    turns = f", {tiles[3] if len(tiles) > 3 else 0}" if family == "forward" else ""
-    # Its fifth template flag: O through a staging tile and TMA stores (1) or from registers (0).
+    # The forward's template flags after the tiles: its consumers take turns at the tensor cores
+    # (1) or not (0, the default; kernels_cu/tma.cuh, TensorCoreTurns), from the fourth tile
+    # field; and O through a staging tile and TMA stores (1) or from registers (0).
     # Only where d fills the bucket, so that the TMA unit writes whole boxes (the kernel stages a
     # warpgroup's rows only when they all exist: partial boxes fault in TMA stores, NOTES v9).
     stage_o = (
@@ -399,9 +398,12 @@ def tma_spec(
         and hd <= _TMA_STORE_MAX_HEAD_DIM
         and head_dim == hd
     )
-    if family == "forward":
-        turns += f", {int(stage_o)}"
-    expr = f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}{turns}>"
+    forward_flags = (
+        f", {tiles[3] if len(tiles) > 3 else 0}, {int(stage_o)}" if family == "forward" else ""
+    )
+    expr = (
+        f"cuflash::{_TEMPLATE[key]}<{_CPP_ELEM[dtype]}, {hd}, {bm}, {bn}, {stages}{forward_flags}>"
+    )
     row_bytes = hd * ITEMSIZE[dtype]
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.

@@ -84,9 +84,11 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uns
 }
 
 // Copies the box at `src` (shared memory, 1024-byte aligned, in the map's swizzled layout) to the
-// coordinates (c0, c1, c2, c3) of a 4-D tensor map in global memory; elements outside the tensor
-// (rows before 0 or past N, columns past d) are not written. The copy joins the issuing thread's
-// current bulk group (bulk_commit, bulk_wait_read).
+// coordinates (c0, c1, c2, c3) of a 4-D tensor map in global memory. Unlike tma_load_4d, callers
+// keep the box inside the tensor: on the H100 a store of a box that starts before row 0 faults
+// (bench/tma_store_probe.py), and partial boxes past the last row faulted inside the forward
+// (bench/NOTES.md, v9). The copy joins the issuing thread's current bulk group (bulk_commit,
+// bulk_wait_read).
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1,
                                              int c2, int c3) {
   asm volatile(

@@ -17,6 +17,7 @@ import sys
 import torch
 
 import cuflash
+from cuflash import _kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -44,8 +45,6 @@ def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
     """Forward on Nq < Nk under causal masking, with end-aligned row blocks
     (cuflash._kernels.set_causal_end_aligned) and a NaN key that the first block's rows before 0
     see: the repair path gets those rows flagged and must not read or write them."""
-    from cuflash import _kernels
-
     default = _kernels.causal_end_aligned()
     _kernels.set_causal_end_aligned(True)
     gen = torch.Generator(device="cuda").manual_seed(d)
@@ -75,12 +74,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.register_store:
-        from cuflash import _kernels
-
         _kernels.set_tma_store(False)
     for item in args.forward_tiles or ():
-        from cuflash import _kernels
-
         bucket, tiles = item.split(":")
         for name in ("float16", "bfloat16"):
             _kernels.set_tile_override(
