@@ -14,7 +14,7 @@ import numpy as np
 
 from . import reference
 from ._interop import ArrayInfo, as_float, cpu_result
-from ._validate import Problem
+from ._problem import Problem
 
 SCORE_BYTES = 64 * 2**20
 
@@ -35,7 +35,7 @@ def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[An
             as_float(qi),
             as_float(ki),
             as_float(vi),
-            causal=p.causal,
+            window=p.window,
             scale=p.scale,
             layout=p.layout,
             **_blocks(p),
@@ -62,7 +62,7 @@ def backward(
             as_float(vi),
             as_float(oi),
             np.asarray(as_float(lsei), dtype=np.float64),
-            causal=p.causal,
+            window=p.window,
             scale=p.scale,
             layout=p.layout,
             **_blocks(p),

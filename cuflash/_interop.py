@@ -283,17 +283,14 @@ class CudaBuffer:
         self.array, self.ptr, self.dtype = array, ptr, dtype
 
 
-# Tests set this to fill every output buffer with NaN before the kernels run, so that an element
-# a kernel fails to write shows up (an allocator may otherwise hand back correct old results).
-poison_outputs = False
-
-
 class CudaAllocator:
     """Output buffers of one library on one device: C-contiguous, owned by that library (CuPy for
-    JAX and other producers), optionally filled."""
+    JAX and other producers), optionally filled. With `poison`, every buffer that no fill is asked
+    for starts as NaN, so that an element a kernel fails to write shows up (an allocator may
+    otherwise hand back correct old results): the GPU tests build their plans so."""
 
-    def __init__(self, library: str, device_index: int) -> None:
-        self.library, self.device_index = library, device_index
+    def __init__(self, library: str, device_index: int, poison: bool = False) -> None:
+        self.library, self.device_index, self.poison = library, device_index, poison
         if library == "torch":
             import torch
 
@@ -305,7 +302,7 @@ class CudaAllocator:
             self._cupy = _cupy()
 
     def __call__(self, shape: tuple[int, ...], dtype: str, fill: float | None = None) -> CudaBuffer:
-        if fill is None and poison_outputs:
+        if fill is None and self.poison:
             fill = float("nan")
         if self.library == "torch":
             tdtype = self._dtypes[dtype]

@@ -69,5 +69,5 @@ def put(key: tuple | None, plan: Any) -> None:
 
 
 def clear() -> None:
-    """Drops every plan (after a switch that changes which kernel or launch a call gets)."""
+    """Drops every plan (tests that change how new plans are built, or what they load)."""
     _plans.clear()

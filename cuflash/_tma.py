@@ -154,3 +154,19 @@ class TileMap:
             blob = head + address.to_bytes(8, "little") + tail
         self._last = (address, blob)
         return blob
+
+
+def tile_map(
+    shape_dnhb: tuple[int, int, int, int],
+    strides_bhs: tuple[int, int, int],
+    itemsize: int,
+    rows: int,
+    address: int,
+) -> TileMap:
+    """The map of a q/k/v-shaped tensor (d, N, H, B) with element strides (batch, head, seq), read
+    or written in boxes of `rows` rows; TensorMapError where the TMA unit cannot address it."""
+    sb, sh, ss = strides_bhs
+    byte_strides = tma_strides(shape_dnhb, (ss, sh, sb), itemsize)
+    if byte_strides is None or address & 15:
+        raise TensorMapError(f"the TMA unit cannot address strides {strides_bhs}")
+    return TileMap(shape_dnhb, byte_strides, rows, address)

@@ -9,72 +9,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, _mask
 from ._interop import ArrayInfo, describe, probe
+from ._problem import Problem
 
 LAYOUTS = ("bshd", "bhsd")
 SUPPORTED_DTYPES = _kernels.DTYPES
-
-
-@dataclass(frozen=True)
-class Problem:
-    """The validated shape of one attention call."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    dtype: str
-    layout: str  # "bshd" or "bhsd" ("bshd" for 2-D input)
-    two_d: bool
-    causal: bool
-    scale: float
-    device: tuple[str, int]
-    library: str
-
-    @property
-    def group(self) -> int:
-        """Query heads per key/value head."""
-        return self.heads_q // self.heads_kv if self.heads_kv else 1
-
-    @property
-    def lse_dtype(self) -> str:
-        """float32, or float64 for float64 inputs (the exact path keeps full precision)."""
-        return "float64" if self.dtype == "float64" else "float32"
-
-    def shape(self, seq: int, heads: int) -> tuple[int, ...]:
-        if self.two_d:
-            return (seq, self.head_dim)
-        if self.layout == "bshd":
-            return (self.batch, seq, heads, self.head_dim)
-        return (self.batch, heads, seq, self.head_dim)
-
-    @property
-    def q_shape(self) -> tuple[int, ...]:
-        return self.shape(self.seq_q, self.heads_q)
-
-    @property
-    def kv_shape(self) -> tuple[int, ...]:
-        return self.shape(self.seq_k, self.heads_kv)
-
-    @property
-    def lse_shape(self) -> tuple[int, ...]:
-        return (self.seq_q,) if self.two_d else (self.batch, self.heads_q, self.seq_q)
-
-    def bhs_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
-        """(batch, head, sequence) strides of a q/k/v-shaped array in this problem's layout."""
-        if self.two_d:
-            return (0, 0, strides[0])
-        if self.layout == "bshd":
-            return (strides[0], strides[2], strides[1])
-        return (strides[0], strides[1], strides[2])
 
 
 def check_layout(layout: Any) -> str:
@@ -217,6 +161,11 @@ def _check_qkv(
         )
     for info in infos:
         _check_last_dim_contiguous(info)
+    for name, seq in (("q", seq_q), ("k", seq_k)):
+        if seq >= _mask.MAX_SEQ:
+            raise ValueError(
+                f"sequence length of {name} must be below 2**29 = {_mask.MAX_SEQ}; got {seq}"
+            )
     problem = Problem(
         batch,
         heads_q,
@@ -227,7 +176,7 @@ def _check_qkv(
         qi.dtype,
         layout,
         ndim == 2,
-        causal,
+        (None, 0) if causal else (None, None),
         check_scale(scale, d),
         qi.device,
         qi.library,

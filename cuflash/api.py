@@ -19,6 +19,7 @@ arrays of the caller's library.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from . import _plans, _validate
@@ -52,9 +53,11 @@ def attention_forward(
         for float64 input), ``-inf`` for a row that sees no key. Arrays of q's library.
 
     Raises:
-        TypeError: an argument is not an array, has an unsupported dtype, or libraries are mixed.
+        TypeError: an argument is not an array, has an unsupported dtype, or libraries are mixed;
+            causal is not a bool, scale not a real number, layout not a string.
         ValueError: shapes disagree, arrays are on different devices, the head dim is 0 or above
-            256, the last dimension is not contiguous, or causal / scale / layout are invalid.
+            256, the last dimension is not contiguous, scale is not finite and > 0, or layout is
+            neither "bshd" nor "bhsd".
     """
     arrays = (q, k, v)
     key = _plans.signature("forward", arrays, causal, scale, layout)
@@ -68,7 +71,7 @@ def attention_forward(
         return _cpu.forward(problem, qi, ki, vi)
     from . import _cuda
 
-    plan = _cuda.ForwardPlan(problem, qi, ki, vi)
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi, poison=poison_outputs())
     _plans.put(key, plan)
     return plan(qi.ptr, ki.ptr, vi.ptr)
 
@@ -127,6 +130,13 @@ def attention_backward(
         return _cpu.backward(problem, doi, qi, ki, vi, oi, lsei)
     from . import _cuda
 
-    plan = _cuda.BackwardPlan(problem, doi, qi, ki, vi, oi, lsei)
+    plan = _cuda.BackwardPlan(problem, doi, qi, ki, vi, oi, lsei, poison=poison_outputs())
     _plans.put(key, plan)
     return plan(doi.ptr, qi.ptr, ki.ptr, vi.ptr, oi.ptr, lsei.ptr)
+
+
+def poison_outputs() -> bool:
+    """Whether new plans fill their outputs with NaN before the kernels run (the environment
+    variable CUFLASH_POISON_OUTPUTS=1; read when a plan is built, never per call): a debugging
+    aid that makes every element a kernel fails to write show up. The GPU tests run so."""
+    return os.environ.get("CUFLASH_POISON_OUTPUTS") == "1"

@@ -1,9 +1,10 @@
 """Ahead-of-time check that every kernel instance builds, with no register spills.
 
 Runs nvcc (no GPU needed) on one translation unit per (source file, architecture); each unit is the
-same expanded source the runtime hands to NVRTC, followed by references to every instance of the
-table in ``cuflash._kernels``. ptxas's resource report (-Xptxas -v) is parsed per kernel: a spill or
-a stack frame (a register array moved to local memory) fails the check.
+same source the runtime hands to NVRTC (its headers inlined, then the static_asserts that hold the
+kernels' Params to the host's mirror), followed by references to every instance the dispatch can
+launch (``cuflash._kernels.all_specs``). ptxas's resource report (-Xptxas -v) is parsed per
+kernel: a spill or a stack frame (a register array moved to local memory) fails the check.
 
     python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N]
 """
@@ -70,7 +71,7 @@ def _gencode(arch: str) -> str:
 def translation_unit(source: str, specs: list[_kernels.KernelSpec]) -> str:
     refs = ",\n".join(f"  (void*)&{spec.name_expression}" for spec in specs)
     return (
-        _kernels.expanded_source(source)
+        _kernels.compiled_source(source)
         + "\n// Instances checked by cuflash.compile_check\n"
         + f"void* cuflash_compile_check_instances[] = {{\n{refs}\n}};\n"
     )

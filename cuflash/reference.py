@@ -1,19 +1,24 @@
 """The float64 NumPy reference: the naive formulas, and the blockwise algorithm of the kernels.
 
-Names follow DESIGN.md: ``S = scale * Q K^T``; ``lse_i = log(sum_j exp(S_ij))`` over the keys row
-i may see; ``P = exp(S - lse)``; ``O = P V``. Backward, given dO: ``D = rowsum(dO * O)``,
+Names follow docs/DESIGN.md: ``S = scale * Q K^T``; ``lse_i = log(sum_j exp(S_ij))`` over the keys
+row i may see; ``P = exp(S - lse)``; ``O = P V``. Backward, given dO: ``D = rowsum(dO * O)``,
 ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``.
 
 Shapes: ``layout="bshd"``: q ``(B, Nq, Hq, d)``, k/v ``(B, Nk, Hkv, d)``; ``layout="bhsd"``:
 ``(B, H, N, d)``; a 2-D ``(N, d)`` array is one sequence with one head (layout ignored). Query head
 h reads key/value head ``h // (Hq // Hkv)``. Causal masking is aligned to the bottom-right corner:
 query i sees key j when ``j <= i + Nk - Nq``. A row that sees no key has o = 0, lse = -inf and zero
-gradients. Every function computes in float64 whatever the input dtype and returns float64 arrays
-(o, dq, dk, dv shaped like q, k, v; lse ``(B, Hq, Nq)``, or ``(Nq,)`` for 2-D input).
+gradients. ``window=(left, right)`` bounds what a query sees on either side of that diagonal:
+query i sees key j iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (None or -1: no bound on
+that side); ``causal=True`` sets right = 0. Every function computes in float64 whatever the input
+dtype and returns float64 arrays (o, dq, dk, dv shaped like q, k, v; lse ``(B, Hq, Nq)``, or
+``(Nq,)`` for 2-D input).
 
 The blockwise functions are the executable specification of the CUDA kernels: the forward pass
 with the online softmax over key blocks, the backward pass as preprocess D, a dK/dV pass over query
-blocks and a dQ pass over key blocks, skipping the blocks the causal mask hides entirely.
+blocks and a dQ pass over key blocks, visiting the blocks in the kernels' order and skipping those
+the mask hides entirely. They take the tile ranges from the host's mirror of the kernels' mask
+(cuflash/_mask.py); visible_mask states the rule on its own, so that each checks the other.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _mask
+
 Array = Any
 
 
@@ -30,18 +37,27 @@ Array = Any
 # Shared pieces
 
 
-def visible_mask(nq: int, nk: int, causal: bool) -> np.ndarray:
-    """Bool (nq, nk): True where query i may see key j (bottom-right causal: j <= i + nk - nq)."""
-    if not causal:
-        return np.ones((nq, nk), dtype=bool)
-    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+def resolve_window(causal: bool, window: Any = None) -> tuple[int | None, int | None]:
+    """(left, right) bounds of the contract's window argument: None or -1 is no bound on that
+    side, and causal=True sets right = 0."""
+    left, right = (None, None) if window is None else window
+    left = None if left is None or left == -1 else int(left)
+    right = None if right is None or right == -1 else int(right)
+    return left, (0 if causal else right)
 
 
-def _block_mask(rows: slice, cols: slice, nq: int, nk: int, causal: bool) -> np.ndarray:
-    """visible_mask(nq, nk, causal)[rows, cols] without building the whole N x N mask."""
-    i = np.arange(rows.start, rows.stop)[:, None]
-    j = np.arange(cols.start, cols.stop)[None, :]
-    return (j <= i + (nk - nq)) if causal else np.ones((i.size, j.size), dtype=bool)
+def visible_mask(nq: int, nk: int, causal: bool = False, window: Any = None) -> np.ndarray:
+    """Bool (nq, nk): True where query i may see key j (bottom-right aligned: with d = i + nk - nq,
+    d - left <= j <= d + right; causal is right = 0)."""
+    left, right = resolve_window(causal, window)
+    diag = np.arange(nq)[:, None] + (nk - nq)
+    j = np.arange(nk)[None, :]
+    seen = np.ones((nq, nk), dtype=bool)
+    if left is not None:
+        seen &= j >= diag - left
+    if right is not None:
+        seen &= j <= diag + right
+    return seen
 
 
 def _masked_matmul(w: np.ndarray, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -136,7 +152,12 @@ def _prepare(q: Array, k: Array, v: Array, layout: str, scale: float | None):
 
 
 def scores_and_probabilities(
-    q: Array, k: Array, causal: bool = False, scale: float | None = None, layout: str = "bshd"
+    q: Array,
+    k: Array,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """S = scale * Q K^T (masked entries -inf) and P = softmax(S) per row (rows that see no key
     are 0), float64, shape (B, Hq, Nq, Nk) (or (Nq, Nk) for 2-D input)."""
@@ -145,7 +166,7 @@ def scores_and_probabilities(
     group = _group(qb.shape[1], kb.shape[1])
     scale = default_scale(qb.shape[-1]) if scale is None else float(scale)
     s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
-    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
     s = np.where(mask, s, -np.inf)
     lse = _logsumexp(s)
     p = _probabilities(s, lse, mask)
@@ -177,11 +198,12 @@ def forward(
     causal: bool = False,
     scale: float | None = None,
     layout: str = "bshd",
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention: (o, lse) in float64 (see the module docstring for shapes)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
-    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
     s = np.where(mask, s, -np.inf)
     lse = _logsumexp(s)
     p = _probabilities(s, lse, mask)
@@ -199,13 +221,14 @@ def backward(
     causal: bool = False,
     scale: float | None = None,
     layout: str = "bshd",
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Naive backward: (dq, dk, dv) of sum(o * do), float64, shaped like q, k, v."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     dob, ob = _to_bhsd(do, layout), _to_bhsd(o, layout)
     lseb = _lse_to_bh(lse, two_d)
     ke, ve = _expand(kb, group), _expand(vb, group)
-    mask = visible_mask(qb.shape[2], kb.shape[2], causal)
+    mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
     p = _probabilities(scale * (qb @ ke.transpose(0, 1, 3, 2)), lseb, mask)
     delta = (dob * ob).sum(axis=-1, keepdims=True)
     mask_t = mask.T
@@ -226,18 +249,9 @@ def backward(
 # Blockwise: the algorithm of the kernels, step by step
 
 
-def _key_blocks(m0: int, rows: int, nq: int, nk: int, block_n: int, causal: bool) -> range:
-    """Key-block starts seen by query rows [m0, m0 + rows): blocks past the last key that the
-    block's last row sees are skipped (kernels_cu/mask.cuh, key_tiles_for_queries)."""
-    last_row = min(m0 + rows, nq) - 1
-    end = min(nk, last_row + (nk - nq) + 1) if causal else nk
-    return range(0, max(end, 0), block_n)
-
-
-def _query_blocks(n0: int, nq: int, nk: int, block_m: int, causal: bool) -> range:
-    """Query-block starts that can see key n0 (kernels_cu/mask.cuh, query_tiles_for_keys)."""
-    first = max(0, n0 - (nk - nq)) if causal else 0
-    return range((first // block_m) * block_m, nq, block_m)
+def _blocks(tiles: _mask.TileRange, size: int, n: int) -> list[slice]:
+    """The tiles of `size` rows in the kernels' visit order (masked tiles first), as slices."""
+    return [slice(t * size, min((t + 1) * size, n)) for t in tiles.order()]
 
 
 def forward_blockwise(
@@ -249,12 +263,15 @@ def forward_blockwise(
     layout: str = "bshd",
     block_m: int = 64,
     block_n: int = 64,
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The forward kernel: per query block, the online softmax over key blocks (running max m,
-    running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end."""
+    running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end. A row
+    whose sum is 0 saw no key (o = 0, lse = -inf); a NaN sum is a row that met a NaN."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     b, hq, nq, d = qb.shape
     nk = kb.shape[2]
+    visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
     ke, ve = _expand(kb, group), _expand(vb, group)
     o = np.zeros((b, hq, nq, vb.shape[-1]))
     lse = np.full((b, hq, nq), -np.inf)
@@ -264,10 +281,11 @@ def forward_blockwise(
         m = np.full(qi.shape[:3], -np.inf)  # running max of the scaled scores
         l_ = np.zeros(qi.shape[:3])  # running sum of exp(s - m)
         acc = np.zeros(qi.shape[:3] + (vb.shape[-1],))  # running sum of exp(s - m) v
-        for n0 in _key_blocks(m0, block_m, nq, nk, block_n, causal):
-            cols = slice(n0, min(n0 + block_n, nk))
+        for cols in _blocks(visibility.key_tiles(m0, block_m, block_n), block_n, nk):
             s = scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2))
-            mask = _block_mask(rows, cols, nq, nk, causal)
+            mask = visibility.visible(
+                np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
+            )
             s = np.where(mask, s, -np.inf)
             m_new = np.maximum(m, s.max(axis=-1))
             m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # no -inf - -inf
@@ -276,7 +294,7 @@ def forward_blockwise(
             l_ = alpha * l_ + p.sum(axis=-1)
             acc = alpha[..., None] * acc + _masked_matmul(p, ve[:, :, cols], mask)
             m = m_new
-        seen = l_ > 0
+        seen = l_ != 0
         o[:, :, rows] = np.where(seen[..., None], acc / np.where(seen, l_, 1.0)[..., None], 0.0)
         lse[:, :, rows] = np.where(seen, m + np.log(np.where(seen, l_, 1.0)), -np.inf)
     return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
@@ -294,6 +312,7 @@ def backward_blockwise(
     layout: str = "bshd",
     block_m: int = 64,
     block_n: int = 64,
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The backward kernels: preprocess D = rowsum(dO * O); the dK/dV pass (per key block, over
     the query blocks and query heads of its group that can see it); the dQ pass (per query block,
@@ -303,6 +322,13 @@ def backward_blockwise(
     lseb = _lse_to_bh(lse, two_d)
     b, hq, nq, d = qb.shape
     hkv, nk = kb.shape[1], kb.shape[2]
+    visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
+
+    def block_mask(rows: slice, cols: slice) -> np.ndarray:
+        return visibility.visible(
+            np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
+        )
+
     delta = (dob * ob).sum(axis=-1)  # preprocess
     # A row that sees no key (lse = -inf) must give P = 0: use lse = +inf (as the kernels do).
     lse_p = np.where(np.isneginf(lseb), np.inf, lseb)
@@ -311,27 +337,27 @@ def backward_blockwise(
         s = scale * (qi @ kj.transpose(0, 1, 3, 2))
         with np.errstate(over="ignore", invalid="ignore"):
             p = np.exp(s - lse_i[..., None])
-        return np.where(_block_mask(rows, cols, nq, nk, causal), p, 0.0)
+        return np.where(block_mask(rows, cols), p, 0.0)
 
     dk = np.zeros_like(kb)
     dv = np.zeros_like(vb)
     for n0 in range(0, nk, block_n):  # dK/dV pass
         cols = slice(n0, min(n0 + block_n, nk))
+        row_blocks = _blocks(visibility.query_tiles(n0, block_n, block_m), block_m, nq)
         kj, vj = kb[:, :, cols], vb[:, :, cols]
         acc_dk = np.zeros_like(kj)
         acc_dv = np.zeros_like(vj)
         for g in range(group):  # the query heads that share this key/value head
             heads = np.arange(hkv) * group + g  # query head h uses key head h // group
-            for m0 in _query_blocks(n0, nq, nk, block_m, causal):
-                rows = slice(m0, min(m0 + block_m, nq))
+            for rows in row_blocks:
                 qi, doi = qb[:, heads, rows], dob[:, heads, rows]
                 p = probs(qi, kj, lse_p[:, heads, rows], rows, cols)
-                mask_t = _block_mask(rows, cols, nq, nk, causal).T
+                mask_t = block_mask(rows, cols).T
                 acc_dv += _masked_matmul(p.transpose(0, 1, 3, 2), doi, mask_t)
                 dp = doi @ vj.transpose(0, 1, 3, 2)
-                with np.errstate(invalid="ignore"):
+                with np.errstate(invalid="ignore"):  # an Inf input gives NaN, as in the naive form
                     ds = p * (dp - delta[:, heads, rows][..., None])
-                acc_dk += _masked_matmul(ds.transpose(0, 1, 3, 2), qi, mask_t)
+                    acc_dk += _masked_matmul(ds.transpose(0, 1, 3, 2), qi, mask_t)
         dk[:, :, cols] = scale * acc_dk
         dv[:, :, cols] = acc_dv
 
@@ -341,13 +367,12 @@ def backward_blockwise(
         rows = slice(m0, min(m0 + block_m, nq))
         qi, doi = qb[:, :, rows], dob[:, :, rows]
         acc_dq = np.zeros_like(qi)
-        for n0 in _key_blocks(m0, block_m, nq, nk, block_n, causal):
-            cols = slice(n0, min(n0 + block_n, nk))
+        for cols in _blocks(visibility.key_tiles(m0, block_m, block_n), block_n, nk):
             p = probs(qi, ke[:, :, cols], lse_p[:, :, rows], rows, cols)
             dp = doi @ ve[:, :, cols].transpose(0, 1, 3, 2)
             with np.errstate(invalid="ignore"):
                 ds = p * (dp - delta[:, :, rows][..., None])
-            acc_dq += _masked_matmul(ds, ke[:, :, cols], _block_mask(rows, cols, nq, nk, causal))
+            acc_dq += _masked_matmul(ds, ke[:, :, cols], block_mask(rows, cols))
         dq[:, :, rows] = scale * acc_dq
     return (
         _from_bhsd(dq, layout, two_d),

@@ -12,15 +12,17 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "gemm.cuh"
 #include "repair.cuh"
 
 namespace cuflash {
 
-template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int DSPLIT_>
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int DSPLIT_, int FEATURES>
 struct DkdvTraits {
   typedef Elem_ Elem;
+  typedef typename Features<FEATURES>::Mask Mask;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_, DSPLIT = DSPLIT_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int PITCH = HD + 8;
@@ -42,8 +44,9 @@ struct DkdvBlock {
   const unsigned short *sK, *sV;  // this warp's 16 rows of the K and V tiles
   unsigned short *sQ, *sdO;
   float *sLse2, *sDelta;
-  int n0, nq, nk, d, lane, key_row0, col0;
-  bool causal, vec;
+  typename Tr::Mask mask;
+  int n0, d, lane, key_row0, col0;
+  bool vec;
   float scale_log2;
 
   float acc_dk[1][Tr::NT_DW][4];
@@ -52,20 +55,20 @@ struct DkdvBlock {
   unsigned v_frag[1][FR ? Tr::K_HD : 1][4];
 
   // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
-  __device__ __forceinline__ void load_query_tile(const unsigned short* q_head, i64 q_ss,
-                                                  const unsigned short* do_head, i64 do_ss,
-                                                  const float* lse_head, i64 lse_ss,
-                                                  const float* delta_head, int m0) {
-    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, m0, nq, d, vec);
-    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sdO, do_head, do_ss, m0, nq, d, vec);
+  __device__ __forceinline__ void load_query_tile(const Rows& q, const Rows& dout,
+                                                  const HeadRows<const float>& lse,
+                                                  const HeadRows<const float>& delta, int m0) {
+    const int nq = mask.nq;
+    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sQ, q.head, q.stride, m0, nq, d, vec);
+    load_tile<Tr::BM, Tr::HD, PITCH, Tr::NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, vec);
     cp_async_commit();
     for (int r = threadIdx.x; r < Tr::BM; r += Tr::NTHREADS) {
       const int row = m0 + r;
       float l = inf_f32(), dl = 0.f;
       if (row < nq) {
-        l = lse_head[row * lse_ss];
+        l = *lse.row(row);
         l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
-        dl = delta_head[row];
+        dl = *delta.row(row);
       }
       sLse2[r] = l;
       sDelta[r] = dl;
@@ -93,7 +96,7 @@ struct DkdvBlock {
         float p = fast_exp2(fmaf(st[0][nt][e], scale_log2, -sLse2[qc]));
         if constexpr (MASKED) {
           const int key = n0 + key_row0 + g + ((e >> 1) << 3);
-          if (!key_visible(m0 + qc, key, nq, nk, causal)) p = 0.f;
+          if (!mask.visible(m0 + qc, key)) p = 0.f;
         }
         st[0][nt][e] = p;                              // P^T
         dpt[0][nt][e] = p * (dpt[0][nt][e] - sDelta[qc]);  // dS^T
@@ -103,24 +106,18 @@ struct DkdvBlock {
   }
 };
 
-template <typename Elem, int HD, int BM, int BN, int NWARPS, int DSPLIT>
-__global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dk,
-    unsigned short* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss,
-    i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh,
-    i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss, int hq,
-    int group, int nq, int nk, int d, float scale, int causal, int vec, int num_n_blocks) {
-  typedef DkdvTraits<Elem, HD, BM, BN, NWARPS, DSPLIT> Tr;
+template <typename Elem, int HD, int BM, int BN, int NWARPS, int DSPLIT, int FEATURES>
+__global__ void __launch_bounds__(NWARPS * 32)
+    attention_backward_dkdv_mma(const __grid_constant__ Params p) {
+  typedef DkdvTraits<Elem, HD, BM, BN, NWARPS, DSPLIT, FEATURES> Tr;
   constexpr int PITCH = Tr::PITCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned short* sK = reinterpret_cast<unsigned short*>(smem_raw);
   unsigned short* sV = sK + BN * PITCH;
 
-  const int hkv = hq / group;
-  const BlockCoords bc = decode_block(hkv, num_n_blocks);  // bc.head is the key/value head
+  const BlockCoords bc = decode_block(p.heads_kv, p.num_blocks);  // bc.head is the key/value head
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nk = p.seq_k, d = p.head_dim;
 
   DkdvBlock<Tr> blk;
   blk.key_row0 = (warp % (NWARPS / DSPLIT)) * 16;
@@ -131,36 +128,30 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
   blk.sdO = blk.sQ + BM * PITCH;
   blk.sLse2 = reinterpret_cast<float*>(blk.sdO + BM * PITCH);
   blk.sDelta = blk.sLse2 + BM;
+  blk.mask = Tr::Mask::of(p);
   blk.n0 = bc.block * BN;
-  blk.nq = nq;
-  blk.nk = nk;
   blk.d = d;
   blk.lane = lane;
-  blk.causal = causal != 0;
-  blk.vec = vec != 0;
-  blk.scale_log2 = scale * 1.4426950408889634f;
+  blk.vec = p.vec != 0;
+  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   fill(blk.acc_dk, 0.f);
   fill(blk.acc_dv, 0.f);
 
-  const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head);
-  const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head);
-  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sK, k_head, k_ss, blk.n0, nk, d, blk.vec);
-  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sV, v_head, v_ss, blk.n0, nk, d, blk.vec);
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sK, head_ptr<const unsigned short>(p.k, bc.batch, bc.head),
+                                         p.k.seq, blk.n0, nk, d, blk.vec);
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sV, head_ptr<const unsigned short>(p.v, bc.batch, bc.head),
+                                         p.v.seq, blk.n0, nk, d, blk.vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
-  const QueryTiles tiles = query_tiles_for_keys(blk.n0, BN, BM, nq, nk, blk.causal);
-  const int tiles_per_head = tiles.count - tiles.first;
-  const int num_steps = group * tiles_per_head, masked_steps = masked_query_steps(tiles, group);
-  const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
-  const Strides lse_str = make_strides(lse_sb, lse_sh, lse_ss);
+  const TileRange tiles = blk.mask.query_tiles(blk.n0, BN, BM);
+  const int num_steps = p.group * tiles.count(), masked_steps = masked_query_steps(tiles, p.group);
   auto load_step = [&](int step) {
-    const QueryStep at = query_step_at(step, tiles, group);
-    const int head = bc.head * group + at.head;
-    const int m0 = at.tile * BM;
-    blk.load_query_tile(head_ptr(q, q_str, bc.batch, head), q_ss,
-                        head_ptr(dout, do_str, bc.batch, head), do_ss,
-                        head_ptr(lse, lse_str, bc.batch, head), lse_ss,
-                        delta + (static_cast<i64>(bc.batch) * hq + head) * nq, m0);
+    const QueryStep at = query_step_at(step, tiles, p.group);
+    const int head = bc.head * p.group + at.head;
+    blk.load_query_tile(head_rows<const unsigned short>(p.q, bc.batch, head),
+                        head_rows<const unsigned short>(p.dout, bc.batch, head),
+                        head_rows<const float>(p.lse, bc.batch, head),
+                        head_rows<const float>(p.delta, bc.batch, head), at.tile * BM);
   };
   if (num_steps > 0) load_step(0);
   cp_async_commit();
@@ -177,7 +168,7 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
         load_a_frags<1, Tr::K_HD, PITCH>(blk.v_frag, blk.sV, lane);
       }
     }
-    const int mb = query_step_at(step, tiles, group).tile;
+    const int mb = query_step_at(step, tiles, p.group).tile;
     if (step < masked_steps)
       blk.template process_query_tile<true>(mb * BM);
     else
@@ -190,6 +181,7 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
   }
 
   // Epilogue: dK = scale * acc_dk and dV, staged through the K and V tiles.
+  const float scale = static_cast<float>(p.scale);
   cp_async_wait<0>();
   __syncthreads();
   stage_accumulators<Elem, 1, Tr::NT_DW, PITCH>(sK + blk.key_row0 * PITCH + blk.col0, blk.acc_dk,
@@ -198,19 +190,18 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dkdv_mma(
                                                 1.f, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    const QuerySide qs{q, dout, lse, delta, q_str, do_str, lse_str, bc.batch, hq};
     recompute_dkdv_rows<Elem, HD, Tr::HD_WARP>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
-                                               PITCH, Tr::HD_WARP, repair, scale, blk.scale_log2, qs,
-                                               bc.head * group, group, HeadRows{k_head, k_ss},
-                                               HeadRows{v_head, v_ss}, blk.n0 + blk.key_row0,
-                                               blk.col0, tiles.first * BM, nq, nk, d, blk.causal,
-                                               lane);
+                                               PITCH, Tr::HD_WARP, repair, scale, blk.scale_log2, p,
+                                               bc.batch, bc.head,
+                                               head_rows<const unsigned short>(p.k, bc.batch, bc.head),
+                                               head_rows<const unsigned short>(p.v, bc.batch, bc.head),
+                                               blk.n0 + blk.key_row0, blk.col0, blk.mask, lane);
   }
   __syncthreads();
-  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head),
-                                          sK, dk_ss, blk.n0, nk, d, blk.vec);
-  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr(dv, make_strides(dv_sb, dv_sh, dv_ss), bc.batch, bc.head),
-                                          sV, dv_ss, blk.n0, nk, d, blk.vec);
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr<unsigned short>(p.dk, bc.batch, bc.head), sK,
+                                          p.dk.seq, blk.n0, nk, d, blk.vec);
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr<unsigned short>(p.dv, bc.batch, bc.head), sV,
+                                          p.dv.seq, blk.n0, nk, d, blk.vec);
 }
 
 }  // namespace cuflash

@@ -9,15 +9,17 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "gemm.cuh"
 #include "repair.cuh"
 
 namespace cuflash {
 
-template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_>
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int FEATURES>
 struct DqTraits {
   typedef Elem_ Elem;
+  typedef typename Features<FEATURES>::Mask Mask;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);
@@ -38,10 +40,10 @@ struct DqBlock {
 
   const unsigned short *sQ, *sdO;  // this warp's first row of the Q and dO tiles
   unsigned short *sK, *sV;
-  const unsigned short *k_head, *v_head;
-  i64 k_seq_stride, v_seq_stride;
-  int m0, nq, nk, d, lane, warp_row0;
-  bool causal, vec;
+  Rows k_rows, v_rows;
+  typename Tr::Mask mask;
+  int m0, d, lane, warp_row0;
+  bool vec;
   float scale_log2;
 
   float lse2[MT][2];   // lse * log2(e) of rows g, g + 8 (+inf for a row that sees no key)
@@ -64,7 +66,7 @@ struct DqBlock {
           if constexpr (MASKED) {
             const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
             const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            if (!key_visible(i, j, nq, nk, causal)) p = 0.f;
+            if (!mask.visible(i, j)) p = 0.f;
           }
           s[mt][nt][e] = p;
         }
@@ -102,31 +104,28 @@ struct DqBlock {
     if (j_next >= 0) {
       __syncthreads();  // every warp is done with K_j and V_j
       const int n1 = j_next * Tr::BN;
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, n1, nk, d, vec);
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, n1, nk, d, vec);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_rows.head, k_rows.stride, n1, mask.nk, d,
+                                                    vec);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_rows.head, v_rows.stride, n1, mask.nk, d,
+                                                    vec);
       cp_async_commit();
     }
   }
 };
 
-template <typename Elem, int HD, int BM, int BN, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dq,
-    i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
-    i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss, i64 dq_sb, i64 dq_sh,
-    i64 dq_ss, int hq, int group, int nq, int nk, int d, float scale, int causal, int vec,
-    int num_m_blocks) {
-  typedef DqTraits<Elem, HD, BM, BN, NWARPS> Tr;
+template <typename Elem, int HD, int BM, int BN, int NWARPS, int FEATURES>
+__global__ void __launch_bounds__(NWARPS * 32)
+    attention_backward_dq_mma(const __grid_constant__ Params p) {
+  typedef DqTraits<Elem, HD, BM, BN, NWARPS, FEATURES> Tr;
   constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
   unsigned short* sdO = sQ + BM * PITCH;
 
-  const BlockCoords bc = decode_block(hq, num_m_blocks);
-  const int kv_head = bc.head / group;
+  const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
+  const int kv_head = bc.head / p.group;
   const int lane = threadIdx.x & 31;
+  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
 
   DqBlock<Tr> blk;
   blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
@@ -134,80 +133,84 @@ __global__ void __launch_bounds__(NWARPS * 32) attention_backward_dq_mma(
   blk.sdO = sdO + blk.warp_row0 * PITCH;
   blk.sK = sdO + BM * PITCH;
   blk.sV = blk.sK + BN * PITCH;
-  blk.k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
-  blk.v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
-  blk.k_seq_stride = k_ss;
-  blk.v_seq_stride = v_ss;
+  blk.k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
+  blk.v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
+  blk.mask = Tr::Mask::of(p);
   blk.m0 = bc.block * BM;
-  blk.nq = nq;
-  blk.nk = nk;
   blk.d = d;
   blk.lane = lane;
-  blk.causal = causal != 0;
-  blk.vec = vec != 0;
-  blk.scale_log2 = scale * 1.4426950408889634f;
+  blk.vec = p.vec != 0;
+  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   fill(blk.acc_dq, 0.f);
 
   // This lane's rows: lse in log2 units (a row that sees no key has lse = -inf: use +inf so that
   // P = 0 instead of exp(inf)), and D. Padded rows get P = 0 and D = 0.
-  const float* lse_head = lse + bc.batch * lse_sb + bc.head * lse_sh;
-  const float* delta_head = delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+  {
+    const HeadRows<const float> lse = head_rows<const float>(p.lse, bc.batch, bc.head);
+    const HeadRows<const float> delta = head_rows<const float>(p.delta, bc.batch, bc.head);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = blk.m0 + blk.warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
       float l = inf_f32(), dl = 0.f;
       if (row < nq) {
-        l = lse_head[row * lse_ss];
+        l = *lse.row(row);
         l = (l == -inf_f32()) ? inf_f32() : l * 1.4426950408889634f;
-        dl = delta_head[row];
+        dl = *delta.row(row);
       }
       blk.lse2[mt][r] = l;
       blk.delta[mt][r] = dl;
     }
+  }
 
-  const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);
-  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
-  const unsigned short* do_head = head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head);
-  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
-  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO, do_head, do_ss, blk.m0, nq, d, blk.vec);
-  if (tiles.count > 0) {
-    const int first = key_tile_at(0, tiles) * BN;
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, first, nk, d, blk.vec);
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_head, v_ss, first, nk, d, blk.vec);
+  const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+                                         p.q.seq, blk.m0, nq, d, blk.vec);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO,
+                                         head_ptr<const unsigned short>(p.dout, bc.batch, bc.head),
+                                         p.dout.seq, blk.m0, nq, d, blk.vec);
+  if (tiles.count() > 0) {
+    const int first = tiles.at(0) * BN;
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_rows.head, blk.k_rows.stride, first, nk, d,
+                                           blk.vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_rows.head, blk.v_rows.stride, first, nk, d,
+                                           blk.vec);
   }
   cp_async_commit();
 
-  // Masked tiles first (mask.cuh, key_tile_at), then the unmasked ones. Rows that the masked
+  // Masked tiles first (mask.cuh, TileRange::at), then the unmasked ones. Rows that the masked
   // tiles made non-finite are flagged and recomputed at the end (repair.cuh).
-  const int masked = tiles.count - tiles.full;
+  const int masked = tiles.masked(), count = tiles.count();
   int it = 0;
   for (; it < masked; ++it)
-    blk.template process_key_tile<true>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0);
   // The flags wait in the padding columns of this lane's row g of the Q tile (repair.cuh).
   const FlagSlot flags = padding_flag_slot(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH, HD, lane);
   if (masked > 0) park_flags(flags, nonfinite_rows(blk.acc_dq));
-  for (; it < tiles.count; ++it)
-    blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+  for (; it < count; ++it)
+    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0);
   const unsigned repair = masked > 0 ? unpark_flags(flags) : 0u;
 
   // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
+  const float scale = static_cast<float>(p.scale);
   cp_async_wait<0>();
   __syncthreads();
   unsigned short* stage = sQ + blk.warp_row0 * PITCH;
   stage_accumulators<Elem, MT, Tr::NT_D, PITCH>(stage, blk.acc_dq, scale, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dq_rows<Elem, HD, MT>(stage, PITCH, HD, repair, scale, blk.scale_log2, HeadRows{q_head, q_ss},
-                                    HeadRows{do_head, do_ss}, HeadRows{blk.k_head, k_ss},
-                                    HeadRows{blk.v_head, v_ss}, lse_head, lse_ss, delta_head,
-                                    blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk, d,
-                                    blk.causal, lane);
+    recompute_dq_rows<Elem, HD, MT>(
+        stage, PITCH, HD, repair, scale, blk.scale_log2,
+        head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+        head_rows<const unsigned short>(p.dout, bc.batch, bc.head), blk.k_rows, blk.v_rows,
+        head_rows<const float>(p.lse, bc.batch, bc.head),
+        head_rows<const float>(p.delta, bc.batch, bc.head), blk.m0 + blk.warp_row0, blk.mask, d,
+        lane);
   }
   __syncthreads();
-  unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
-  store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, dq_ss, blk.m0, nq, d, blk.vec);
+  unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
+  store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, p.dq.seq, blk.m0, nq, d, blk.vec);
 }
 
 }  // namespace cuflash

@@ -8,6 +8,7 @@
 // accumulator type (float32 for 16-bit inputs, float64 for the exact path's float32 and float64)
 // and written contiguously as (B, Hq, Nq).
 #include "common.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
@@ -15,27 +16,25 @@ constexpr int PREPROCESS_WARPS = 8;
 
 template <typename Elem>
 __global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
-    attention_backward_preprocess(const typename ElemTraits<Elem>::storage* __restrict__ o,
-                                  const typename ElemTraits<Elem>::storage* __restrict__ dout,
-                                  typename ElemTraits<Elem>::acc* __restrict__ delta, i64 o_sb,
-                                  i64 o_sh, i64 o_ss, i64 do_sb, i64 do_sh, i64 do_ss, int hq,
-                                  int nq, int d, i64 rows, int lanes_per_row, int vec) {
+    attention_backward_preprocess(const __grid_constant__ Params p) {
   typedef typename ElemTraits<Elem>::acc Acc;
   typedef typename ElemTraits<Elem>::storage Storage;
+  const int lanes_per_row = p.lanes_per_row, d = p.head_dim;
   const int lane = threadIdx.x & 31, sub = lane & (lanes_per_row - 1);
   const i64 warp = static_cast<i64>(blockIdx.x) * PREPROCESS_WARPS + (threadIdx.x >> 5);
   const i64 row = warp * (32 / lanes_per_row) + lane / lanes_per_row;
   Acc sum = Acc(0);
-  if (row < rows) {
-    const i64 bh = row / nq;
-    const int i = static_cast<int>(row - bh * nq);
-    const int b = static_cast<int>(bh / hq);
-    const int h = static_cast<int>(bh - static_cast<i64>(b) * hq);
-    const Storage* o_row = o + b * o_sb + h * o_sh + i * o_ss;
-    const Storage* do_row = dout + b * do_sb + h * do_sh + i * do_ss;
+  int b = 0, h = 0, i = 0;
+  if (row < p.rows) {
+    const i64 bh = row / p.seq_q;
+    i = static_cast<int>(row - bh * p.seq_q);
+    b = static_cast<int>(bh / p.heads_q);
+    h = static_cast<int>(bh - static_cast<i64>(b) * p.heads_q);
+    const Storage* o_row = head_rows<const Storage>(p.o, b, h).row(i);
+    const Storage* do_row = head_rows<const Storage>(p.dout, b, h).row(i);
     bool done = false;
     if constexpr (sizeof(Storage) == 2) {
-      if (vec) {
+      if (p.vec) {
         for (int c = sub * 8; c < d; c += lanes_per_row * 8) {
           const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
           const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
@@ -56,7 +55,7 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
         sum += ElemTraits<Elem>::to_acc(o_row[c]) * ElemTraits<Elem>::to_acc(do_row[c]);
   }
   for (int off = lanes_per_row >> 1; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (sub == 0 && row < rows) delta[row] = sum;
+  if (sub == 0 && row < p.rows) *head_rows<Acc>(p.delta, b, h).row(i) = sum;
 }
 
 }  // namespace cuflash

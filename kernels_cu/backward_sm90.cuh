@@ -13,6 +13,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "params.cuh"
 #include "mask.cuh"
 #include "wgmma.cuh"
 
@@ -60,8 +61,8 @@ __device__ __forceinline__ float lse2_of_row(float lse, bool real) {
 // A key tile is three phases, as in Sm90DkdvKeys: issue_scores (S and dP, one wgmma group),
 // gradients (dS, rounded to A fragments), issue_dq (dQ += dS K_j, one group); step() runs them
 // in order and waits for each group. (Keeping one tile's dQ group in flight under the next
-// tile's gradients was measured slower: bench/NOTES.md, v7.)
-template <typename Elem, int HD, int BM, int BN>
+// tile's gradients was measured slower: docs/perf/NOTES.md, v7.)
+template <typename Elem, int HD, int BM, int BN, typename Mask>
 struct Sm90DqRows {
   static constexpr int NT_S = BN / 8, NT_D = HD / 8;
   typedef unsigned Frags[BN / 16][4];  // dS as A fragments
@@ -69,7 +70,7 @@ struct Sm90DqRows {
   int wg, lane;
   float scale_log2;
   float lse2[2], dlt[2];  // this lane's rows g and g + 8: lse in log2 units (lse2_of_row) and D
-  int last_key[2];        // the last key each of the two rows sees (last_visible_key)
+  Bounds keys[2];         // the keys each of the two rows sees (Mask::keys_of)
   float acc_dq[NT_D][4];
   float s[NT_S][4], dp[NT_S][4];
 
@@ -90,7 +91,7 @@ struct Sm90DqRows {
   }
 
   // dS = P (dP - D), P = exp2(S scale_log2 - lse2), for keys n0 .. n0 + BN - 1; `masked`: the
-  // tile straddles the diagonal or the end of the keys. The scores group must be complete.
+  // tile straddles a bound of the mask or the end of the keys. The scores group must be complete.
   __device__ __forceinline__ void gradients(bool masked, int n0, Frags& ds) {
     fence_accumulators(s);
     fence_accumulators(dp);
@@ -100,7 +101,7 @@ struct Sm90DqRows {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
-        if (masked && col0 + nt * 8 + (e & 1) > last_key[e >> 1]) p = 0.f;
+        if (masked && Mask::key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) p = 0.f;
         dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]);  // dS
       }
 #pragma unroll
@@ -133,8 +134,8 @@ struct Sm90DqRows {
 // thread) two warpgroups share the block's 64 keys instead and each accumulates the dV and dK
 // columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
 // products twice: faster than exchanging P^T and dS^T through shared memory between them,
-// bench/NOTES.md, v7).
-template <typename Elem, int HD, int BM, int BN, int COLS_ = HD>
+// docs/perf/NOTES.md, v7).
+template <typename Elem, int HD, int BM, int BN, typename Mask, int COLS_ = HD>
 struct Sm90DkdvKeys {
   static constexpr int COLS = COLS_;  // the head-dim columns of dK and dV this warpgroup holds
   static constexpr bool SHARED_KEYS = COLS < HD;
@@ -143,7 +144,7 @@ struct Sm90DkdvKeys {
   const unsigned char *sK, *sV;
   int wg, lane;
   float scale_log2;
-  int first_query[2];  // this lane's keys g and g + 8: the first query that sees them (masked tiles)
+  Bounds queries[2];  // this lane's keys g and g + 8: the queries that see them (Mask::queries_of)
   float acc_dk[NT_D][4], acc_dv[NT_D][4];
 
   __device__ __forceinline__ int col0() const { return SHARED_KEYS ? wg * COLS : 0; }
@@ -157,11 +158,6 @@ struct Sm90DkdvKeys {
     for (int i = 0; i < NT_D; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
-  }
-
-  // key_visible(i, key) == (i >= first_query_of(key)) for every query row i < nq.
-  static __device__ __forceinline__ int first_query_of(int key, int nq, int nk, bool causal) {
-    return key >= nk ? 0x7fffffff : (causal ? key - (nk - nq) : 0);
   }
 
   // The three phases of a query tile, as in Sm90DqRows: issue_scores (S^T, dP^T), probabilities
@@ -180,7 +176,8 @@ struct Sm90DkdvKeys {
     wgmma_commit();
   }
 
-  // Query rows m0 .. m0 + BM - 1 with their lse2 and D; `masked`: the tile straddles the diagonal.
+  // Query rows m0 .. m0 + BM - 1 with their lse2 and D; `masked`: the tile straddles a bound of the
+  // mask.
   __device__ __forceinline__ void probabilities(bool masked, int m0, const float* lse2,
                                                 const float* dlt, Frags& f) {
     const int t = lane & 3;
@@ -192,7 +189,7 @@ struct Sm90DkdvKeys {
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
         float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse2[qc]));
-        if (masked && m0 + qc < first_query[e >> 1]) p = 0.f;
+        if (masked && Mask::query_hidden(m0 + qc, queries[e >> 1])) p = 0.f;
         st[nt][e] = p;                            // P^T
         dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]);  // dS^T
       }

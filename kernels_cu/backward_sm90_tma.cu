@@ -1,6 +1,6 @@
 // backward_sm90_tma.cu: the dQ and dK/dV kernels on Hopper, warp-specialised (sm_90a: TMA loads,
 // mbarrier pipelines, wgmma, setmaxnreg). Same contracts as backward_sm90.cu (and the sm_80
-// kernels): no atomics, deterministic, any N, d <= HD, causal bottom-right, grouped heads; the
+// kernels): no atomics, deterministic, any N, d <= HD, the mask of mask.cuh, grouped heads; the
 // host runs them where the TMA unit can read q, k, v and dO (16-byte aligned base and strides, d
 // a multiple of 8) and the other kernels elsewhere.
 //
@@ -23,7 +23,8 @@
 // recomputed there (repair.cuh).
 #include "common.cuh"
 #include "mma.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "repair.cuh"
@@ -47,17 +48,23 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* tile, const TensorM
                   row0 + rb * TMA_BOX_ROWS, head, batch);
 }
 
-// Producer warp: stages lse2 and D of query rows [m0, m0 + ROWS) of one head, one row per lane.
+// The tensor maps of q, k, v and dO, read in boxes of 64 rows (cuflash/_tma.py).
+struct BackwardMaps {
+  TensorMap q, k, v, dout;
+};
+
+// Producer warp: stages lse2 and D of query rows [m0, m0 + ROWS) of head `head`, one row per lane.
 template <int ROWS>
-__device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delta,
-                                                    const float* lse_head, i64 lse_ss,
-                                                    const float* delta_head, int m0, int nq,
-                                                    int lane) {
+__device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delta, const Params& p,
+                                                    int batch, int head, int m0, int lane) {
+  const HeadRows<const float> lse = head_rows<const float>(p.lse, batch, head);
+  const HeadRows<const float> delta = head_rows<const float>(p.delta, batch, head);
+  const int nq = p.seq_q;
 #pragma unroll
   for (int r = lane; r < ROWS; r += 32) {
     const int row = m0 + r;
-    s_lse2[r] = lse2_of_row(row < nq ? lse_head[row * lse_ss] : 0.f, row < nq);
-    s_delta[r] = row < nq ? delta_head[row] : 0.f;
+    s_lse2[r] = lse2_of_row(row < nq ? *lse.row(row) : 0.f, row < nq);
+    s_delta[r] = row < nq ? *delta.row(row) : 0.f;
   }
 }
 
@@ -70,17 +77,11 @@ struct TmaDqBarriers {
   unsigned long long kv_full[STAGES], kv_empty[STAGES];
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_tma(
-    const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
-    const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_do,
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dq,
-    i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
-    i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss, i64 dq_sb, i64 dq_sh,
-    i64 dq_ss, int hq, int group, int nq, int nk, int d, float scale, int causal, int vec,
-    int num_m_blocks, int num_work) {
+template <typename Elem, int HD, int BM, int BN, int STAGES, int FEATURES>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+    attention_backward_dq_tma(const __grid_constant__ BackwardMaps maps,
+                              const __grid_constant__ Params p) {
+  typedef typename Features<FEATURES>::Mask Mask;
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
@@ -96,8 +97,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
   TmaDqBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDqBarriers<BUFS, STAGES>*>(s_delta + BUFS * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool is_causal = causal != 0;
-  const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
+  const WorkWalk walk{p.num_work, p.paired != 0};  // common.cuh
 
   if (threadIdx.x == 0) {
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
@@ -113,31 +113,30 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
     int pipe = 0, round = 0;
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
-      const int kv_head = bc.head / group, m0 = bc.block * BM;
-      const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
+      if (item >= p.num_work) continue;
+      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+      const int kv_head = bc.head / p.group, m0 = bc.block * BM;
+      const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
       const int buf = acquire_to_fill(bar.q_empty, round);
       if (lane == 0) {
         mbar_arrive_expect_tx(&bar.q_full[buf], 2 * ROWS_BYTES);
-        tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &tm_q, &bar.q_full[buf], m0, bc.head, bc.batch);
-        tma_load_tile<BM, HD>(sdO + buf * ROWS_BYTES, &tm_do, &bar.q_full[buf], m0, bc.head,
+        tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &maps.q, &bar.q_full[buf], m0, bc.head,
+                              bc.batch);
+        tma_load_tile<BM, HD>(sdO + buf * ROWS_BYTES, &maps.dout, &bar.q_full[buf], m0, bc.head,
                               bc.batch);
       }
-      stage_lse_and_delta<BM>(s_lse2 + buf * BM, s_delta + buf * BM,
-                              lse + bc.batch * lse_sb + bc.head * lse_sh, lse_ss,
-                              delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq, m0, nq,
+      stage_lse_and_delta<BM>(s_lse2 + buf * BM, s_delta + buf * BM, p, bc.batch, bc.head, m0,
                               lane);
       mbar_arrive(&bar.q_full[buf]);
-      for (int it = 0; it < tiles.count; ++it, ++pipe) {
+      for (int it = 0; it < tiles.count(); ++it, ++pipe) {
         const int stage = pipe % STAGES;
         mbar_wait(&bar.kv_empty[stage], ((pipe / STAGES) & 1) ^ 1);
         if (lane == 0) {
-          const int n0 = key_tile_at(it, tiles) * BN;
+          const int n0 = tiles.at(it) * BN;
           mbar_arrive_expect_tx(&bar.kv_full[stage], 2 * KV_BYTES);
-          tma_load_tile<BN, HD>(sK + stage * KV_BYTES, &tm_k, &bar.kv_full[stage], n0, kv_head,
+          tma_load_tile<BN, HD>(sK + stage * KV_BYTES, &maps.k, &bar.kv_full[stage], n0, kv_head,
                                 bc.batch);
-          tma_load_tile<BN, HD>(sV + stage * KV_BYTES, &tm_v, &bar.kv_full[stage], n0, kv_head,
+          tma_load_tile<BN, HD>(sV + stage * KV_BYTES, &maps.v, &bar.kv_full[stage], n0, kv_head,
                                 bc.batch);
         }
       }
@@ -147,19 +146,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
 
   Regs::consumer();
   const int warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
-  Sm90DqRows<Elem, HD, BM, BN> rows;
+  const int nq = p.seq_q, d = p.head_dim;
+  Sm90DqRows<Elem, HD, BM, BN, Mask> rows;
   rows.wg = (warp - 4) >> 2;
   rows.lane = lane;
-  rows.scale_log2 = scale * 1.4426950408889634f;
+  rows.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= num_work) continue;
-    const int m0 = decode_paired_work(item, hq, num_m_blocks).block * BM;
-    const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
-    // Masked tiles first (mask.cuh, key_tile_at); rows that they made non-finite are flagged and
-    // recomputed at the end (repair.cuh).
-    const int masked_tiles = tiles.count - tiles.full;
+    if (item >= p.num_work) continue;
+    const int m0 = decode_paired_work(item, p.heads_q, p.num_blocks).block * BM;
+    const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
+    // Masked tiles first (mask.cuh, TileRange::at); rows that they made non-finite are flagged
+    // and recomputed at the end (repair.cuh).
+    const int masked_tiles = tiles.masked(), count = tiles.count();
     unsigned repair = 0;
     const int buf = acquire_to_read(bar.q_full, round);
     rows.sQ = sQ + buf * ROWS_BYTES;
@@ -169,13 +169,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
       const int row = warp_row0 + (lane >> 2) + 8 * r;
       rows.lse2[r] = s_lse2[buf * BM + row];
       rows.dlt[r] = s_delta[buf * BM + row];
-      rows.last_key[r] = last_visible_key(m0 + row, nq, nk, is_causal);
+      rows.keys[r] = Mask::of(p).keys_of(m0 + row);
     }
     rows.clear();
-    for (int it = 0; it < tiles.count; ++it, ++pipe) {
+    for (int it = 0; it < count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.kv_full[stage], (pipe / STAGES) & 1);
-      rows.step(it < masked_tiles, key_tile_at(it, tiles) * BN, sK + stage * KV_BYTES,
+      rows.step(it < masked_tiles, tiles.at(it) * BN, sK + stage * KV_BYTES,
                 sV + stage * KV_BYTES);
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);
@@ -185,22 +185,22 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) attention_backward_dq_
     mbar_arrive(&bar.q_empty[buf]);  // every thread: its loads of lse2 and D are done
 
     // Epilogue: dQ = scale * acc, from registers.
-    const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
-    unsigned short* dq_head = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head);
+    const float scale = static_cast<float>(p.scale);
+    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+    unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
     const int row0 = m0 + warp_row0;
-    store_accumulator_rows<Elem, NT_D>(dq_head, dq_ss, row0, nq, d, rows.acc_dq, scale, lane);
+    store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, nq, d, rows.acc_dq, scale, lane);
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
-      const int kv_head = bc.head / group;
+      const int kv_head = bc.head / p.group;
       recompute_dq_rows<Elem, HD, 1>(
-          dq_head + row0 * dq_ss, dq_ss, d, repair, scale, rows.scale_log2,
-          HeadRows{head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head), q_ss},
-          HeadRows{head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head), do_ss},
-          HeadRows{head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head), k_ss},
-          HeadRows{head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head), v_ss},
-          lse + bc.batch * lse_sb + bc.head * lse_sh, lse_ss,
-          delta + (static_cast<i64>(bc.batch) * hq + bc.head) * nq, row0,
-          min(tiles.count * BN, nk), nq, nk, d, is_causal, lane);
+          dq_head + row0 * p.dq.seq, p.dq.seq, d, repair, scale, rows.scale_log2,
+          head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+          head_rows<const unsigned short>(p.dout, bc.batch, bc.head),
+          head_rows<const unsigned short>(p.k, bc.batch, kv_head),
+          head_rows<const unsigned short>(p.v, bc.batch, kv_head),
+          head_rows<const float>(p.lse, bc.batch, bc.head),
+          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), d, lane);
     }
   }
 }
@@ -214,25 +214,18 @@ struct TmaDkdvBarriers {
   unsigned long long q_full[STAGES], q_empty[STAGES];
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES>
-__global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) attention_backward_dkdv_tma(
-    const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
-    const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_do,
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-    const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, unsigned short* __restrict__ dk,
-    unsigned short* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss,
-    i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh,
-    i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss, int hq,
-    int group, int nq, int nk, int d, float scale, int causal, int vec, int num_n_blocks,
-    int num_work) {
+template <typename Elem, int HD, int BM, int BN, int STAGES, int FEATURES>
+__global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
+    attention_backward_dkdv_tma(const __grid_constant__ BackwardMaps maps,
+                                const __grid_constant__ Params p) {
+  typedef typename Features<FEATURES>::Mask Mask;
   // BN keys per block (64 per consumer warpgroup; at HD = 256, 64 shared by two warpgroups that
   // split the head dim), query tiles of BM rows.
   constexpr bool SPLIT = HD > 128;
   constexpr int CONSUMERS = SPLIT ? 2 : BN / 64, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, SPLIT ? HD / 2 : HD> Keys;
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, SPLIT ? HD / 2 : HD> Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
   static_assert(!SPLIT || BN == 64, "the split head dim serves 64 keys");
@@ -247,9 +240,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
   TmaDkdvBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDkdvBarriers<BUFS, STAGES>*>(s_delta + STAGES * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool is_causal = causal != 0;
-  const int hkv = hq / group;
-  const WorkWalk walk{num_work, is_causal};
+  const WorkWalk walk{p.num_work, p.paired != 0};
 
   if (threadIdx.x == 0) {
     mbar_init_pairs(bar.kv_full, bar.kv_empty, 1, 4 * CONSUMERS);
@@ -265,34 +256,32 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
     int pipe = 0, round = 0;
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, hkv, num_n_blocks);  // head: key/value head
+      if (item >= p.num_work) continue;
+      const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);  // head: key/value head
       const int n0 = bc.block * BN;
-      const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, is_causal);
-      const int num_steps = group * (tiles.count - tiles.first);
+      const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
+      const int num_steps = p.group * tiles.count();
       const int buf = acquire_to_fill(bar.kv_empty, round);
       if (lane == 0) {
         mbar_arrive_expect_tx(&bar.kv_full[buf], 2 * KEYS_BYTES);
-        tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &tm_k, &bar.kv_full[buf], n0, bc.head,
+        tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &maps.k, &bar.kv_full[buf], n0, bc.head,
                               bc.batch);
-        tma_load_tile<BN, HD>(sV + buf * KEYS_BYTES, &tm_v, &bar.kv_full[buf], n0, bc.head,
+        tma_load_tile<BN, HD>(sV + buf * KEYS_BYTES, &maps.v, &bar.kv_full[buf], n0, bc.head,
                               bc.batch);
       }
       for (int s = 0; s < num_steps; ++s, ++pipe) {
         const int stage = pipe % STAGES;
-        const QueryStep at = query_step_at(s, tiles, group);
-        const int head = bc.head * group + at.head, m0 = at.tile * BM;
+        const QueryStep at = query_step_at(s, tiles, p.group);
+        const int head = bc.head * p.group + at.head, m0 = at.tile * BM;
         mbar_wait(&bar.q_empty[stage], ((pipe / STAGES) & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&bar.q_full[stage], 2 * ROWS_BYTES);
-          tma_load_tile<BM, HD>(sQ + stage * ROWS_BYTES, &tm_q, &bar.q_full[stage], m0, head,
+          tma_load_tile<BM, HD>(sQ + stage * ROWS_BYTES, &maps.q, &bar.q_full[stage], m0, head,
                                 bc.batch);
-          tma_load_tile<BM, HD>(sdO + stage * ROWS_BYTES, &tm_do, &bar.q_full[stage], m0, head,
+          tma_load_tile<BM, HD>(sdO + stage * ROWS_BYTES, &maps.dout, &bar.q_full[stage], m0, head,
                                 bc.batch);
         }
-        stage_lse_and_delta<BM>(s_lse2 + stage * BM, s_delta + stage * BM,
-                                lse + bc.batch * lse_sb + head * lse_sh, lse_ss,
-                                delta + (static_cast<i64>(bc.batch) * hq + head) * nq, m0, nq,
+        stage_lse_and_delta<BM>(s_lse2 + stage * BM, s_delta + stage * BM, p, bc.batch, head, m0,
                                 lane);
         mbar_arrive(&bar.q_full[stage]);
       }
@@ -302,25 +291,24 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
 
   Regs::consumer();
   const int key_row0 = Keys::key_row0(warp - 4);  // this warp's keys within the block
+  const int nk = p.seq_k, d = p.head_dim;
   Keys keys;
   keys.wg = (warp - 4) >> 2;
   keys.lane = lane;
-  keys.scale_log2 = scale * 1.4426950408889634f;
+  keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= num_work) continue;
-    const int n0 = decode_paired_work(item, hkv, num_n_blocks).block * BN;
-    const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, is_causal);
-    const int num_steps = group * (tiles.count - tiles.first);
+    if (item >= p.num_work) continue;
+    const int n0 = decode_paired_work(item, p.heads_kv, p.num_blocks).block * BN;
+    const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
+    const int num_steps = p.group * tiles.count();
     // Masked tiles of every head first (mask.cuh, query_step_at); rows that they made non-finite
     // are flagged and recomputed at the end (repair.cuh).
-    const int masked_steps = masked_query_steps(tiles, group);
+    const int masked_steps = masked_query_steps(tiles, p.group);
     unsigned repair = 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      keys.first_query[r] =
-          keys.first_query_of(n0 + key_row0 + (lane >> 2) + 8 * r, nq, nk, is_causal);
+    for (int r = 0; r < 2; ++r) keys.queries[r] = Mask::of(p).queries_of(n0 + key_row0 + (lane >> 2) + 8 * r);
     keys.clear();
     const int buf = acquire_to_read(bar.kv_full, round);
     keys.sK = sK + buf * KEYS_BYTES;
@@ -328,7 +316,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
     for (int s = 0; s < num_steps; ++s, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
-      keys.step(s < masked_steps, query_step_at(s, tiles, group).tile * BM,
+      keys.step(s < masked_steps, query_step_at(s, tiles, p.group).tile * BM,
                 sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
                 s_delta + stage * BM);
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
@@ -338,27 +326,22 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1) atten
     if (lane == 0) mbar_arrive(&bar.kv_empty[buf]);
 
     // Epilogue: dK = scale * acc_dk and dV (this warpgroup's columns), from registers.
-    const BlockCoords bc = decode_paired_work(item, hkv, num_n_blocks);
+    const float scale = static_cast<float>(p.scale);
+    const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
     const int col0 = keys.col0(), cols = d - col0;  // cols <= 0: nothing of d in this half
-    unsigned short* dk_head =
-        head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head) + col0;
-    unsigned short* dv_head =
-        head_ptr(dv, make_strides(dv_sb, dv_sh, dv_ss), bc.batch, bc.head) + col0;
+    unsigned short* dk_head = head_ptr<unsigned short>(p.dk, bc.batch, bc.head) + col0;
+    unsigned short* dv_head = head_ptr<unsigned short>(p.dv, bc.batch, bc.head) + col0;
     const int key0 = n0 + key_row0;
-    store_accumulator_rows<Elem, NT_D>(dk_head, dk_ss, key0, nk, cols, keys.acc_dk, scale, lane);
-    store_accumulator_rows<Elem, NT_D>(dv_head, dv_ss, key0, nk, cols, keys.acc_dv, 1.f, lane);
+    store_accumulator_rows<Elem, NT_D>(dk_head, p.dk.seq, key0, nk, cols, keys.acc_dk, scale, lane);
+    store_accumulator_rows<Elem, NT_D>(dv_head, p.dv.seq, key0, nk, cols, keys.acc_dv, 1.f, lane);
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
-      const Strides q_str = make_strides(q_sb, q_sh, q_ss), do_str = make_strides(do_sb, do_sh, do_ss);
-      const QuerySide qs{q, dout, lse, delta, q_str, do_str, make_strides(lse_sb, lse_sh, lse_ss),
-                         bc.batch, hq};
       // dk and dv are allocated alike: one row stride for both
       recompute_dkdv_rows<Elem, HD, Keys::COLS>(
-          dk_head - col0 + key0 * dk_ss, dv_head - col0 + key0 * dv_ss, dk_ss,
-          min(cols, Keys::COLS), repair, scale, keys.scale_log2, qs, bc.head * group, group,
-          HeadRows{head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head), k_ss},
-          HeadRows{head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head), v_ss}, key0,
-          col0, tiles.first * BM, nq, nk, d, is_causal, lane);
+          dk_head - col0 + key0 * p.dk.seq, dv_head - col0 + key0 * p.dv.seq, p.dk.seq,
+          min(cols, Keys::COLS), repair, scale, keys.scale_log2, p, bc.batch, bc.head,
+          head_rows<const unsigned short>(p.k, bc.batch, bc.head),
+          head_rows<const unsigned short>(p.v, bc.batch, bc.head), key0, col0, Mask::of(p), lane);
     }
   }
 }

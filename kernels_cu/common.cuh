@@ -80,25 +80,6 @@ template <> struct ElemTraits<double> {
   static __device__ __forceinline__ double from_acc(double x) { return x; }
 };
 
-// Strides of one (batch, sequence, head, dim) tensor, in elements; the dim stride is 1.
-struct Strides {
-  i64 batch, head, seq;
-};
-
-__device__ __forceinline__ Strides make_strides(i64 batch, i64 head, i64 seq) {
-  Strides s;
-  s.batch = batch;
-  s.head = head;
-  s.seq = seq;
-  return s;
-}
-
-// Pointer to row 0 of head `head` of sequence `batch`: 64-bit offsets throughout.
-template <typename T>
-__device__ __forceinline__ T* head_ptr(T* base, const Strides& s, int batch, int head) {
-  return base + static_cast<i64>(batch) * s.batch + static_cast<i64>(head) * s.head;
-}
-
 // The block's work item, decoded from a flat blockIdx.x so that B * H is not limited to 65535.
 // Blocks of one (batch, head) are adjacent, so they share K and V in L2; within a head the
 // heaviest (last, under causal masking) row block is scheduled first.
@@ -123,9 +104,10 @@ __device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
 // The persistent kernels' work list. Under causal masking row block b of a head costs about
 // b + 1 key tiles, so a plain stride over decode_work's order can hand one SM the heavy blocks
 // every time (when the grid is a multiple of the blocks per head). Here the blocks of a head
-// come in pairs, heaviest with lightest (M-1, 0, M-2, 1, ...), and with `paired` (causal) each
-// block takes two consecutive items per round, so that every SM's pairs cost about the same;
-// without, equal items are taken with a stride of the grid. Heads stay adjacent, so the blocks
+// come in pairs, heaviest with lightest (M-1, 0, M-2, 1, ...), and with `paired` (the host's
+// choice where row blocks cost more along the sequence: causal) each block takes two consecutive
+// items per round, so that every SM's pairs cost about the same; without, equal items are taken
+// with a stride of the grid. Heads stay adjacent, so the blocks
 // running at one time share K and V in L2.
 __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int heads, int num_blocks) {
   BlockCoords c;

@@ -13,7 +13,8 @@
 // masked with the same predicate as the fast kernels: this path is for verification, not speed.
 #include "common.cuh"
 #include "tile.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 
 namespace cuflash {
 
@@ -65,37 +66,39 @@ __device__ __forceinline__ void accumulate_rows(Acc (&acc)[HD / TPR], const Acc 
   }
 }
 
-template <typename T, int HD, int BM, int BN, int TPR>
-__global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-    T* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb,
-    i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq, int nk, int d,
-    double scale, int causal, int vec, int num_m_blocks) {
+template <typename T, int HD, int BM, int BN, int TPR, int FEATURES>
+__global__ void __launch_bounds__(BM * TPR, 1)
+    attention_forward_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
+  typedef typename Features<FEATURES>::Mask Mask;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * PITCH;
   T* sV = sK + BN * PITCH;
 
-  const BlockCoords bc = decode_block(hq, num_m_blocks);
-  const int kv_head = bc.head / group;
+  const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
+  const int kv_head = bc.head / p.group;
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int m0 = bc.block * BM, row = m0 + r;
-  const T* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
-  const T* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
-  load_tile<BM, HD, PITCH, NTHREADS>(sQ, head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head),
-                                     q_ss, m0, nq, d, false);
+  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  const Acc scale = p.scale;
+  const Mask mask = Mask::of(p);
+  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, kv_head);
+  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, kv_head);
+  const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, bc.head);
+  load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
 
-  const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, causal != 0);
+  const TileRange tiles = mask.key_tiles(m0, BM, BN);
+  const Bounds keys = mask.keys_of(row);
   Acc m = -inf_f64(), l = 0.0, acc[DPT];
 #pragma unroll
   for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
 
-  for (int j = 0; j < tiles.count; ++j) {
+  for (int j = tiles.begin; j < tiles.end; ++j) {
     const int n0 = j * BN;
     __syncthreads();  // the previous K, V tiles are consumed
-    load_tile<BN, HD, PITCH, NTHREADS>(sK, k_head, k_ss, n0, nk, d, false);
-    load_tile<BN, HD, PITCH, NTHREADS>(sV, v_head, v_ss, n0, nk, d, false);
+    load_tile<BN, HD, PITCH, NTHREADS>(sK, k.head, k.stride, n0, nk, d, false);
+    load_tile<BN, HD, PITCH, NTHREADS>(sV, v.head, v.stride, n0, nk, d, false);
     __syncthreads();
     Acc s[KPT];
     Acc mx = -inf_f64();
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // S = scale Q K^T, -inf where invisible
       const int key = c + TPR * jj;
-      const bool vis = key_visible(row, n0 + key, nq, nk, causal != 0);
+      const bool vis = !mask.key_hidden(n0 + key, keys);
       visible |= unsigned(vis) << jj;
       s[jj] = vis ? scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) : -inf_f64();
       mx = fmax(mx, s[jj]);
@@ -128,25 +131,19 @@ __global__ void __launch_bounds__(BM * TPR, 1) attention_forward_exact(
   const bool empty = (l == 0.0);
   const Acc inv = empty ? 0.0 : 1.0 / l;
   if (row < nq) {
-    T* o_row = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head) + row * o_ss;
+    T* o_row = head_rows<T>(p.o, bc.batch, bc.head).row(row);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) o_row[c + TPR * i] = T(acc[i] * inv);
-    if (c == 0)
-      lse[(static_cast<i64>(bc.batch) * hq + bc.head) * nq + row] =
-          T(empty ? -inf_f64() : m + log(l));
+    if (c == 0) *head_rows<T>(p.lse, bc.batch, bc.head).row(row) = T(empty ? -inf_f64() : m + log(l));
   }
 }
 
-template <typename T, int HD, int BM, int BN, int TPR>
-__global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const T* __restrict__ lse, const Acc* __restrict__ delta,
-    T* __restrict__ dk, T* __restrict__ dv, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh,
-    i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb,
-    i64 lse_sh, i64 lse_ss, i64 dk_sb, i64 dk_sh, i64 dk_ss, i64 dv_sb, i64 dv_sh, i64 dv_ss,
-    int hq, int group, int nq, int nk, int d, double scale, int causal, int vec, int num_n_blocks) {
+template <typename T, int HD, int BM, int BN, int TPR, int FEATURES>
+__global__ void __launch_bounds__(BN * TPR, 1)
+    attention_backward_dkdv_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BN * TPR, DPT = HD / TPR, QPT = BM / TPR;
+  typedef typename Features<FEATURES>::Mask Mask;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Acc* sLse = reinterpret_cast<Acc*>(smem_raw);  // first: 8-byte aligned
   Acc* sDelta = sLse + BM;
@@ -155,61 +152,64 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
   T* sQ = sV + BN * PITCH;
   T* sdO = sQ + BM * PITCH;
 
-  const int hkv = hq / group;
-  const BlockCoords bc = decode_block(hkv, num_n_blocks);
+  const BlockCoords bc = decode_block(p.heads_kv, p.num_blocks);
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int n0 = bc.block * BN, key = n0 + r;
-  load_tile<BN, HD, PITCH, NTHREADS>(sK, head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, bc.head),
-                                     k_ss, n0, nk, d, false);
-  load_tile<BN, HD, PITCH, NTHREADS>(sV, head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, bc.head),
-                                     v_ss, n0, nk, d, false);
+  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim, group = p.group;
+  const Acc scale = p.scale;
+  const Mask mask = Mask::of(p);
+  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, bc.head);
+  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, bc.head);
+  load_tile<BN, HD, PITCH, NTHREADS>(sK, k.head, k.stride, n0, nk, d, false);
+  load_tile<BN, HD, PITCH, NTHREADS>(sV, v.head, v.stride, n0, nk, d, false);
 
   Acc acc_dk[DPT], acc_dv[DPT];
 #pragma unroll
   for (int i = 0; i < DPT; ++i) acc_dk[i] = acc_dv[i] = 0.0;
 
-  const QueryTiles tiles = query_tiles_for_keys(n0, BN, BM, nq, nk, causal != 0);
-  const int tiles_per_head = tiles.count - tiles.first;
+  const TileRange tiles = mask.query_tiles(n0, BN, BM);
+  const Bounds queries = mask.queries_of(key);
+  const int tiles_per_head = tiles.count();
   for (int step = 0; step < group * tiles_per_head; ++step) {
     const int head = bc.head * group + step / tiles_per_head;
-    const int m0 = (tiles.first + step % tiles_per_head) * BM;
+    const int m0 = (tiles.begin + step % tiles_per_head) * BM;
     __syncthreads();  // the previous query tile is consumed
-    load_tile<BM, HD, PITCH, NTHREADS>(sQ, head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, head),
-                                       q_ss, m0, nq, d, false);
-    load_tile<BM, HD, PITCH, NTHREADS>(sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, head),
-                                       do_ss, m0, nq, d, false);
-    const T* lse_head = head_ptr(lse, make_strides(lse_sb, lse_sh, lse_ss), bc.batch, head);
-    const Acc* delta_head = delta + (static_cast<i64>(bc.batch) * hq + head) * nq;
+    const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, head);
+    const HeadRows<const T> dout = head_rows<const T>(p.dout, bc.batch, head);
+    load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
+    load_tile<BM, HD, PITCH, NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, false);
+    const HeadRows<const T> lse = head_rows<const T>(p.lse, bc.batch, head);
+    const HeadRows<const Acc> delta = head_rows<const Acc>(p.delta, bc.batch, head);
     for (int x = threadIdx.x; x < BM; x += NTHREADS) {
       Acc lx = inf_f64(), dx = 0.0;  // padded rows and rows that see no key: P = 0
       if (m0 + x < nq) {
-        lx = lse_head[(m0 + x) * lse_ss];
+        lx = *lse.row(m0 + x);
         if (lx == -inf_f64()) lx = inf_f64();
-        dx = delta_head[m0 + x];
+        dx = *delta.row(m0 + x);
       }
       sLse[x] = lx;
       sDelta[x] = dx;
     }
     __syncthreads();
-    Acc p[QPT], ds[QPT];
+    Acc pt[QPT], ds[QPT];
     unsigned visible = 0;  // padded query rows count as invisible
 #pragma unroll
     for (int jj = 0; jj < QPT; ++jj) {  // P^T and dS^T for this key and queries c + TPR jj
       const int qi = c + TPR * jj;
-      const bool vis = m0 + qi < nq && key_visible(m0 + qi, key, nq, nk, causal != 0);
+      const bool vis = m0 + qi < nq && !mask.query_hidden(m0 + qi, queries);
       visible |= unsigned(vis) << jj;
       const Acc pij = vis ? exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]) : 0.0;
       const Acc dpij = row_dot<HD>(sV + r * PITCH, sdO + qi * PITCH);
-      p[jj] = pij;
+      pt[jj] = pij;
       ds[jj] = pij * (dpij - sDelta[qi]);
     }
-    accumulate_rows<BM, HD, TPR, PITCH>(acc_dv, p, visible, sdO, c);  // dV += P^T dO
-    accumulate_rows<BM, HD, TPR, PITCH>(acc_dk, ds, visible, sQ, c);  // dK += dS^T Q
+    accumulate_rows<BM, HD, TPR, PITCH>(acc_dv, pt, visible, sdO, c);  // dV += P^T dO
+    accumulate_rows<BM, HD, TPR, PITCH>(acc_dk, ds, visible, sQ, c);   // dK += dS^T Q
   }
 
   if (key < nk) {
-    T* dk_row = head_ptr(dk, make_strides(dk_sb, dk_sh, dk_ss), bc.batch, bc.head) + key * dk_ss;
-    T* dv_row = head_ptr(dv, make_strides(dv_sb, dv_sh, dv_ss), bc.batch, bc.head) + key * dv_ss;
+    T* dk_row = head_rows<T>(p.dk, bc.batch, bc.head).row(key);
+    T* dv_row = head_rows<T>(p.dv, bc.batch, bc.head).row(key);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) {
@@ -219,63 +219,62 @@ __global__ void __launch_bounds__(BN * TPR, 1) attention_backward_dkdv_exact(
   }
 }
 
-template <typename T, int HD, int BM, int BN, int TPR>
-__global__ void __launch_bounds__(BM * TPR, 1) attention_backward_dq_exact(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const T* __restrict__ lse, const Acc* __restrict__ delta,
-    T* __restrict__ dq, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb,
-    i64 v_sh, i64 v_ss, i64 do_sb, i64 do_sh, i64 do_ss, i64 lse_sb, i64 lse_sh, i64 lse_ss,
-    i64 dq_sb, i64 dq_sh, i64 dq_ss, int hq, int group, int nq, int nk, int d, double scale,
-    int causal,
-    int vec, int num_m_blocks) {
+template <typename T, int HD, int BM, int BN, int TPR, int FEATURES>
+__global__ void __launch_bounds__(BM * TPR, 1)
+    attention_backward_dq_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
+  typedef typename Features<FEATURES>::Mask Mask;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + BM * PITCH;
   T* sK = sdO + BM * PITCH;
   T* sV = sK + BN * PITCH;
 
-  const BlockCoords bc = decode_block(hq, num_m_blocks);
-  const int kv_head = bc.head / group;
+  const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
+  const int kv_head = bc.head / p.group;
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int m0 = bc.block * BM, row = m0 + r;
-  const T* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
-  const T* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
-  load_tile<BM, HD, PITCH, NTHREADS>(sQ, head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head),
-                                     q_ss, m0, nq, d, false);
-  load_tile<BM, HD, PITCH, NTHREADS>(sdO, head_ptr(dout, make_strides(do_sb, do_sh, do_ss), bc.batch, bc.head),
-                                     do_ss, m0, nq, d, false);
+  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  const Acc scale = p.scale;
+  const Mask mask = Mask::of(p);
+  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, kv_head);
+  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, kv_head);
+  const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, bc.head);
+  const HeadRows<const T> dout = head_rows<const T>(p.dout, bc.batch, bc.head);
+  load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
+  load_tile<BM, HD, PITCH, NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, false);
   Acc lse_row = inf_f64(), delta_row = 0.0;
   if (row < nq) {
-    lse_row = head_ptr(lse, make_strides(lse_sb, lse_sh, lse_ss), bc.batch, bc.head)[row * lse_ss];
+    lse_row = *head_rows<const T>(p.lse, bc.batch, bc.head).row(row);
     if (lse_row == -inf_f64()) lse_row = inf_f64();  // a row that sees no key: P = 0
-    delta_row = delta[(static_cast<i64>(bc.batch) * hq + bc.head) * nq + row];
+    delta_row = *head_rows<const Acc>(p.delta, bc.batch, bc.head).row(row);
   }
 
   Acc acc[DPT];
 #pragma unroll
   for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
-  const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, causal != 0);
-  for (int j = 0; j < tiles.count; ++j) {
+  const TileRange tiles = mask.key_tiles(m0, BM, BN);
+  const Bounds keys = mask.keys_of(row);
+  for (int j = tiles.begin; j < tiles.end; ++j) {
     const int n0 = j * BN;
     __syncthreads();
-    load_tile<BN, HD, PITCH, NTHREADS>(sK, k_head, k_ss, n0, nk, d, false);
-    load_tile<BN, HD, PITCH, NTHREADS>(sV, v_head, v_ss, n0, nk, d, false);
+    load_tile<BN, HD, PITCH, NTHREADS>(sK, k.head, k.stride, n0, nk, d, false);
+    load_tile<BN, HD, PITCH, NTHREADS>(sV, v.head, v.stride, n0, nk, d, false);
     __syncthreads();
     Acc ds[KPT];
     unsigned visible = 0;
 #pragma unroll
     for (int jj = 0; jj < KPT; ++jj) {  // dS = P * (dP - D) for this query and keys c + TPR jj
       const int key = c + TPR * jj;
-      const bool vis = key_visible(row, n0 + key, nq, nk, causal != 0);
+      const bool vis = !mask.key_hidden(n0 + key, keys);
       visible |= unsigned(vis) << jj;
-      const Acc p = vis ? exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row) : 0.0;
-      ds[jj] = p * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row);
+      const Acc pij = vis ? exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row) : 0.0;
+      ds[jj] = pij * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row);
     }
     accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, visible, sK, c);  // dQ += dS K
   }
   if (row < nq) {
-    T* dq_row = head_ptr(dq, make_strides(dq_sb, dq_sh, dq_ss), bc.batch, bc.head) + row * dq_ss;
+    T* dq_row = head_rows<T>(p.dq, bc.batch, bc.head).row(row);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) dq_row[c + TPR * i] = T(acc[i] * scale);

@@ -8,7 +8,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "softmax.cuh"
 #include "gemm.cuh"
 #include "repair.cuh"
@@ -16,9 +17,10 @@
 namespace cuflash {
 
 // Compile-time shape of one forward configuration (the Python side picks BM, BN, NWARPS).
-template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_>
+template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int FEATURES>
 struct ForwardTraits {
   typedef Elem_ Elem;
+  typedef typename Features<FEATURES>::Mask Mask;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);  // 16-row m tiles per warp
@@ -37,11 +39,12 @@ struct ForwardBlock {
   typedef typename Tr::Elem Elem;
   static constexpr int MT = Tr::MT, NT_S = Tr::NT_S, NT_O = Tr::NT_O, PITCH = Tr::PITCH;
 
+  typedef typename Tr::Mask Mask;
   unsigned short *sQ, *sK, *sV;  // sQ points at this warp's first row
-  const unsigned short *k_head, *v_head;
-  i64 k_seq_stride, v_seq_stride;
-  int m0, nq, nk, d, lane, warp_row0;
-  bool causal, vec;
+  Rows k_rows, v_rows;
+  Mask mask;
+  int m0, d, lane, warp_row0;
+  bool vec;
   float scale_log2;
 
   float acc_o[MT][NT_O][4];  // unnormalised O of this warp's rows
@@ -58,7 +61,7 @@ struct ForwardBlock {
     }
   }
 
-  // S_ij = -inf where query i may not see key j (causal diagonal, keys past the end).
+  // S_ij = -inf where query i may not see key j (outside its band, keys past the end).
   __device__ __forceinline__ void apply_mask(float (&s)[MT][NT_S][4], int n0) const {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -69,7 +72,7 @@ struct ForwardBlock {
         for (int e = 0; e < 4; ++e) {
           const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
           const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          if (!key_visible(i, j, nq, nk, causal)) s[mt][nt][e] = -inf_f32();
+          if (!mask.visible(i, j)) s[mt][nt][e] = -inf_f32();
         }
   }
 
@@ -79,7 +82,8 @@ struct ForwardBlock {
   __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first) {
     cp_async_wait<0>();
     __syncthreads();  // K_j (and Q, on the first tile) have landed; the previous V is no longer read
-    load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, v_seq_stride, j * Tr::BN, nk, d, vec);
+    load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_rows.head, v_rows.stride, j * Tr::BN, mask.nk,
+                                                  d, vec);
     cp_async_commit();
     if constexpr (Tr::Q_IN_REGS) {
       if (first) load_a_frags<MT, Tr::K_QK, PITCH>(q_frag, sQ, lane);
@@ -91,76 +95,68 @@ struct ForwardBlock {
     cp_async_wait<0>();
     __syncthreads();  // V_j has landed; every warp is done with K_j
     if (j_next >= 0) {
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, k_seq_stride, j_next * Tr::BN,
-                                                    nk, d, vec);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_rows.head, k_rows.stride, j_next * Tr::BN,
+                                                    mask.nk, d, vec);
       cp_async_commit();
     }
     gemm_pb<Elem, MT, NT_O, Tr::K_PV, PITCH>(acc_o, s, sV, lane);  // O += P V_j
   }
 };
 
-template <typename Elem, int HD, int BM, int BN, int NWARPS>
+template <typename Elem, int HD, int BM, int BN, int NWARPS, int FEATURES>
 __global__ void __launch_bounds__(NWARPS * 32)
-    attention_forward_mma(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                          const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
-                          float* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb,
-                          i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh,
-                          i64 o_ss, int hq, int group, int nq, int nk, int d, float scale,
-                          int causal, int vec, int num_m_blocks, float p_shift) {
-  typedef ForwardTraits<Elem, HD, BM, BN, NWARPS> Tr;
+    attention_forward_mma(const __grid_constant__ Params p) {
+  typedef ForwardTraits<Elem, HD, BM, BN, NWARPS, FEATURES> Tr;
   constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
 
-  const BlockCoords bc = decode_block(hq, num_m_blocks);
-  const int kv_head = bc.head / group;
+  const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
+  const int kv_head = bc.head / p.group;
   const int lane = threadIdx.x & 31;
+  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
 
   ForwardBlock<Tr> blk;
   blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
   blk.sQ = sQ + blk.warp_row0 * PITCH;
   blk.sK = sQ + BM * PITCH;
   blk.sV = blk.sK + BN * PITCH;
-  blk.k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
-  blk.v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
-  blk.k_seq_stride = k_ss;
-  blk.v_seq_stride = v_ss;
+  blk.k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
+  blk.v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
+  blk.mask = Tr::Mask::of(p);
   blk.m0 = bc.block * BM;
-  blk.nq = nq;
-  blk.nk = nk;
   blk.d = d;
   blk.lane = lane;
-  blk.causal = causal != 0;
-  blk.vec = vec != 0;
-  blk.scale_log2 = scale * 1.4426950408889634f;
+  blk.vec = p.vec != 0;
+  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   fill(blk.acc_o, 0.f);
   // p_shift: P is scaled by 2^-p_shift so that the unnormalised accumulator cannot overflow
   // (softmax.cuh); the host passes ceil(log2 Nk) for bfloat16 and 0 for float16. A kernel
   // argument, it is read from the constant bank and costs no register.
-  blk.softmax.init(p_shift);
+  blk.softmax.init(p.p_shift);
 
   // Q tile and the first K tile; everything after this runs tile by tile.
-  const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);
-  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
-  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, q_head, q_ss, blk.m0, nq, d, blk.vec);
-  if (tiles.count > 0)
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, k_ss, key_tile_at(0, tiles) * BN,
-                                           nk, d, blk.vec);
+  const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+                                         p.q.seq, blk.m0, nq, d, blk.vec);
+  if (tiles.count() > 0)
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_rows.head, blk.k_rows.stride,
+                                           tiles.at(0) * BN, nk, d, blk.vec);
   cp_async_commit();
 
-  // The few tiles that straddle the diagonal or the end of the keys first, then the unmasked ones.
-  // Rows that the masked tiles made non-finite are flagged and recomputed at the end (repair.cuh):
-  // a NaN or Inf in v must not reach the rows that do not see it.
-  const int masked = tiles.count - tiles.full;
+  // The few tiles that straddle the mask's bounds or the end of the keys first, then the unmasked
+  // ones. Rows that the masked tiles made non-finite are flagged and recomputed at the end
+  // (repair.cuh): a NaN or Inf in v must not reach the rows that do not see it.
+  const int masked = tiles.masked(), count = tiles.count();
   int it = 0;
   for (; it < masked; ++it)
-    blk.template process_key_tile<true>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
-  float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
-                     blk.warp_row0 + (lane >> 2);
+    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0);
+  float* lse_row_g =
+      head_ptr<float>(p.lse, bc.batch, bc.head) + (blk.m0 + blk.warp_row0 + (lane >> 2)) * p.lse.seq;
   const bool real_row_g = blk.m0 + blk.warp_row0 + (lane >> 2) < nq;
   if (masked > 0) park_flags(lse_flag_slot(lse_row_g, real_row_g, lane), nonfinite_rows(blk.acc_o));
-  for (; it < tiles.count; ++it)
-    blk.template process_key_tile<false>(key_tile_at(it, tiles), key_tile_at(it + 1, tiles), it == 0);
+  for (; it < count; ++it)
+    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0);
 
   // Epilogue: normalise once, stage O through shared memory, store with wide writes.
   float lse_rows[MT][2];
@@ -172,21 +168,21 @@ __global__ void __launch_bounds__(NWARPS * 32)
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, HD, repair, lse_rows, blk.scale_log2,
-                                         HeadRows{q_head, q_ss}, HeadRows{blk.k_head, k_ss},
-                                         HeadRows{blk.v_head, v_ss}, blk.m0 + blk.warp_row0,
-                                         min(tiles.count * BN, nk), nq, nk, d, blk.causal, lane);
+                                         head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+                                         blk.k_rows, blk.v_rows, blk.m0 + blk.warp_row0, blk.mask,
+                                         d, lane);
   }
   __syncthreads();
-  unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
-  store_tile<BM, HD, PITCH, Tr::NTHREADS>(o_head, sQ, o_ss, blk.m0, nq, d, blk.vec);
+  unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
+  store_tile<BM, HD, PITCH, Tr::NTHREADS>(o_head, sQ, p.o.seq, blk.m0, nq, d, blk.vec);
   if ((lane & 3) == 0) {
-    float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = blk.m0 + blk.warp_row0 + mt * 16 + (lane >> 2) + 8 * r;
-        if (row < nq) lse_head[row] = lse_rows[mt][r];
+        if (row < nq) lse_head[row * p.lse.seq] = lse_rows[mt][r];
       }
   }
 }

@@ -1,6 +1,6 @@
 // forward_sm90.cu: the FlashAttention-2 forward pass on Hopper's warpgroup tensor cores (sm_90a:
 // wgmma.mma_async, float16 / bfloat16 operands, float32 accumulation). Same contract as
-// forward.cu: writes O and lse, any Nq, Nk, d <= HD, causal bottom-right, grouped heads, strides.
+// forward.cu: writes O and lse, any Nq, Nk, d <= HD, the mask of mask.cuh, grouped heads, strides.
 //
 // One thread block owns BM = 64 * WARPGROUPS query rows of one (batch, head); each warpgroup owns
 // 64 of them (the loop body is forward_sm90.cuh). Q stays in shared memory (wgmma reads its A
@@ -11,7 +11,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
 #include "repair.cuh"
@@ -19,77 +20,73 @@
 
 namespace cuflash {
 
-template <typename Elem, int HD, int BM, int BN>
+template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BM * 2, 1)
-    attention_forward_wgmma(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                            const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
-                            float* __restrict__ lse, i64 q_sb, i64 q_sh, i64 q_ss, i64 k_sb,
-                            i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb, i64 o_sh,
-                            i64 o_ss, int hq, int group, int nq, int nk, int d, float scale,
-                            int causal, int vec, int num_m_blocks, float p_shift) {
-  typedef Sm90ForwardTraits<Elem, HD, BM, BN> Tr;
+    attention_forward_wgmma(const __grid_constant__ Params p) {
+  typedef Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> Tr;
   static_assert(BM * Tr::PITCH * 2 <= Tr::Q_BYTES + 4 * Tr::KV_BYTES, "staging tile fits the buffers");
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  const BlockCoords bc = decode_block(hq, num_m_blocks);
-  const int kv_head = bc.head / group;
+  const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
+  const int kv_head = bc.head / p.group;
   const int warp = threadIdx.x >> 5;
 
   Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
   blk.sQ = smem;
   blk.sK = smem + Tr::Q_BYTES;
   blk.sV = blk.sK + 2 * Tr::KV_BYTES;
+  blk.mask = Tr::Mask::of(p);
   blk.m0 = bc.block * BM;
-  blk.nq = nq;
-  blk.nk = nk;
   blk.lane = threadIdx.x & 31;
   blk.warp_row0 = warp * 16;
   blk.wg = warp >> 2;
-  blk.causal = causal != 0;
-  blk.scale_log2 = scale * 1.4426950408889634f;
+  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   fill(blk.acc_o, 0.f);
-  blk.softmax.init(p_shift);  // see forward.cu
+  blk.softmax.init(p.p_shift);  // see forward.cu
 
-  const bool use_vec = vec != 0;
-  const unsigned short* k_head = head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head);
-  const unsigned short* v_head = head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head);
-  const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, blk.causal);
-  const unsigned short* q_head = head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head);
-  load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, q_head, q_ss, blk.m0, nq, d, use_vec);
-  if (tiles.count > 0) {
-    const int first = key_tile_at(0, tiles) * BN;
-    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, k_ss, first, nk, d, use_vec);
-    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES + 2 * Tr::KV_BYTES, v_head, v_ss,
-                                             first, nk, d, use_vec);
+  // The parameters are read where they are used: copies held through the loop cost registers.
+  const unsigned short* k_head = head_ptr<const unsigned short>(p.k, bc.batch, kv_head);
+  const unsigned short* v_head = head_ptr<const unsigned short>(p.v, bc.batch, kv_head);
+  const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
+  load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+                                           p.q.seq, blk.m0, p.seq_q, p.head_dim, p.vec != 0);
+  if (tiles.count() > 0) {
+    const int first = tiles.at(0) * BN;
+    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, p.k.seq, first, p.seq_k,
+                                             p.head_dim, p.vec != 0);
+    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES + 2 * Tr::KV_BYTES, v_head, p.v.seq,
+                                             first, p.seq_k, p.head_dim, p.vec != 0);
   }
   cp_async_commit();
 
-  // The tiles that straddle the diagonal or the end of the keys first (mask.cuh, key_tile_at).
-  // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
-  const int masked = tiles.count - tiles.full;
+  // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
+  // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
+  // (repair.cuh).
+  const int masked = tiles.masked(), count = tiles.count();
   // The flag slot is built at each use from these two: a FlagSlot held through the loop spills.
-  float* lse_row_g = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq + blk.m0 +
-                     blk.warp_row0 + (blk.lane >> 2);
-  const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < nq;
-  for (int it = 0; it < tiles.count; ++it) {
+  float* lse_row_g = head_ptr<float>(p.lse, bc.batch, bc.head) +
+                     (blk.m0 + blk.warp_row0 + (blk.lane >> 2)) * p.lse.seq;
+  const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < p.seq_q;
+  for (int it = 0; it < count; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // this tile has landed everywhere; every warpgroup is done with the last one
-    const int next = key_tile_at(it + 1, tiles);
+    const int next = tiles.at(it + 1);
     if (next >= 0) {
       unsigned char* k_next = smem + Tr::Q_BYTES + ((it + 1) & 1) * Tr::KV_BYTES;
-      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, k_ss, next * BN, nk, d, use_vec);
-      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next + 2 * Tr::KV_BYTES, v_head, v_ss, next * BN,
-                                               nk, d, use_vec);
+      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, p.k.seq, next * BN, p.seq_k,
+                                               p.head_dim, p.vec != 0);
+      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next + 2 * Tr::KV_BYTES, v_head, p.v.seq,
+                                               next * BN, p.seq_k, p.head_dim, p.vec != 0);
       cp_async_commit();
     }
     if (it < masked) {
-      blk.template process_key_tile<true>(key_tile_at(it, tiles), it & 1);
+      blk.template process_key_tile<true>(tiles.at(it), it & 1);
       if (it == masked - 1) park_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane), nonfinite_rows(blk.acc_o));
     } else {
-      blk.template process_key_tile<false>(key_tile_at(it, tiles), it & 1);
+      blk.template process_key_tile<false>(tiles.at(it), it & 1);
     }
   }
 
@@ -105,20 +102,21 @@ __global__ void __launch_bounds__(BM * 2, 1)
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, HD, repair,
-                                        lse_rows, blk.scale_log2, HeadRows{q_head, q_ss},
-                                        HeadRows{k_head, k_ss}, HeadRows{v_head, v_ss},
-                                        blk.m0 + blk.warp_row0, min(tiles.count * BN, nk), nq, nk,
-                                        d, blk.causal, blk.lane);
+                                        lse_rows, blk.scale_log2,
+                                        head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+                                        Rows{k_head, p.k.seq}, Rows{v_head, p.v.seq},
+                                        blk.m0 + blk.warp_row0, blk.mask, p.head_dim, blk.lane);
   }
   __syncthreads();
-  unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
-  store_tile<BM, HD, Tr::PITCH, Tr::NTHREADS>(o_head, s_out, o_ss, blk.m0, nq, d, use_vec);
+  unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
+  store_tile<BM, HD, Tr::PITCH, Tr::NTHREADS>(o_head, s_out, p.o.seq, blk.m0, p.seq_q, p.head_dim,
+                                              p.vec != 0);
   if ((blk.lane & 3) == 0) {
-    float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = blk.m0 + blk.warp_row0 + (blk.lane >> 2) + 8 * r;
-      if (row < nq) lse_head[row] = lse_rows[0][r];
+      if (row < p.seq_q) lse_head[row * p.lse.seq] = lse_rows[0][r];
     }
   }
 }

@@ -8,14 +8,16 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
 namespace cuflash {
 
-template <typename Elem, int HD, int BM, int BN>
+template <typename Elem, int HD, int BM, int BN, int FEATURES>
 struct Sm90ForwardTraits {
+  typedef typename Features<FEATURES>::Mask Mask;
   static constexpr int WARPGROUPS = BM / 64;
   static constexpr int NTHREADS = WARPGROUPS * 128;
   static constexpr int NT_S = BN / 8, NT_O = HD / 8;
@@ -29,39 +31,34 @@ struct Sm90ForwardTraits {
 template <typename Tr, typename Elem, int HD, int BM, int BN>
 struct Sm90ForwardBlock {
   const unsigned char *sQ, *sK, *sV;  // sQ: the whole Q tile; sK, sV: stage 0 (stage s at + s KV_BYTES)
-  int m0, nq, nk, lane, warp_row0, wg;
-  bool causal;
+  typename Tr::Mask mask;
+  int m0, lane, warp_row0, wg;
   float scale_log2;
   float acc_o[1][Tr::NT_O][4];
   OnlineSoftmax<1> softmax;
 
-  // S_ij = -inf where query i may not see key j (causal diagonal, keys past the end): key_visible
-  // as one comparison with the last key each of this lane's two rows sees.
+  // S_ij = -inf where query i may not see key j (outside its band, keys past the end): a comparison
+  // or two per score against the keys each of this lane's two rows sees.
   __device__ __forceinline__ void apply_mask(float (&s)[1][Tr::NT_S][4], int n0) const {
     const int col0 = n0 + 2 * (lane & 3);
-    int last[2];
+    Bounds keys[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      last[r] = last_visible_key(m0 + warp_row0 + (lane >> 2) + 8 * r, nq, nk, causal);
+    for (int r = 0; r < 2; ++r) keys[r] = mask.keys_of(m0 + warp_row0 + (lane >> 2) + 8 * r);
 #pragma unroll
     for (int nt = 0; nt < Tr::NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (col0 + nt * 8 + (e & 1) > last[e >> 1]) s[0][nt][e] = -inf_f32();
+        if (mask.key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) s[0][nt][e] = -inf_f32();
   }
 
   // P for key tile j (in shared memory at k_tile): S = Q K_j^T for this warpgroup's 64 rows,
-  // masked (MASKED: the tile straddles the diagonal or the end of the keys), turned into
+  // masked (MASKED: the tile straddles a bound of the mask or the end of the keys), turned into
   // unnormalised probabilities by the online softmax (acc_o rescaled) and rounded to A fragments.
-  // The products are issued in this warpgroup's tensor-core turn (Turns: TensorCoreTurns of
-  // tma.cuh, or NoTurns).
-  template <bool MASKED, typename Turns = NoTurns>
+  template <bool MASKED>
   __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
-                                                unsigned (&p)[Tr::K_PV][4],
-                                                const Turns& turns = Turns()) {
+                                                unsigned (&p)[Tr::K_PV][4]) {
     // k16 step kk reads 32 bytes of every row, in column block kk / 4.
     float s[1][Tr::NT_S][4];
-    turns.take();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_QK; ++kk) {
@@ -72,7 +69,6 @@ struct Sm90ForwardBlock {
       wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
     }
     wgmma_commit();
-    turns.pass();
     wgmma_wait<0>();
     fence_accumulators(s[0]);
     if constexpr (MASKED) apply_mask(s, j * BN);
@@ -83,17 +79,13 @@ struct Sm90ForwardBlock {
 
   // O += P V_j (V_j in shared memory at v_tile): k16 step kk covers keys 16kk .. 16kk + 15, rows
   // of V_j 2048 bytes apart.
-  template <typename Turns = NoTurns>
   __device__ __forceinline__ void accumulate_pv(const unsigned char* v_tile,
-                                                unsigned (&p)[Tr::K_PV][4],
-                                                const Turns& turns = Turns()) {
-    turns.take();
+                                                unsigned (&p)[Tr::K_PV][4]) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk)
       wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
     wgmma_commit();
-    turns.pass();
     wgmma_wait<0>();
     fence_accumulators(acc_o[0]);
     // The A registers are read by the tensor cores until the wait: keep them alive until here.

@@ -1,13 +1,14 @@
 // forward_sm90_tma.cu: the FlashAttention-2 forward pass on Hopper, warp-specialised (sm_90a:
 // TMA loads, mbarrier pipelines, wgmma, setmaxnreg). Same contract as forward.cu: writes O and
-// lse, any Nq, Nk, d <= HD, causal bottom-right, grouped heads, strides; the host runs it where
-// the TMA unit can read q, k and v (16-byte aligned base and strides, d a multiple of 8) and
-// forward_sm90.cu elsewhere.
+// lse, any Nq, Nk, d <= HD, the mask of mask.cuh, grouped heads, strides; the host runs it
+// where the TMA unit can read q, k and v (16-byte aligned base and strides, d a multiple of 8)
+// and forward_sm90.cu elsewhere (cuflash/_dispatch.py).
 //
 // Persistent: a block per SM walks its share of the work list (query tile, head, batch;
-// decode_paired_work's order, which balances causal work). Warpgroup 0 is the producer: it gives
-// back its registers and one thread issues the TMA copies of Q (two buffers at HD <= 128, one at
-// 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full" barrier.
+// decode_paired_work's order, in pairs where the host asks: causal work). Warpgroup 0 is the
+// producer: it gives back its registers and one thread issues the TMA copies of Q (two buffers at
+// HD <= 128, one at 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full"
+// barrier.
 // Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the loop body
 // of forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
 // before O += P V_j, and release the stage on its "empty" barrier, and the Q buffer after the
@@ -21,21 +22,22 @@
 // each consumer warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the
 // map's swizzled layout) and one of its threads hands the tile to the TMA unit, which writes it
 // while the warpgroup goes on to its next item; the staging tile is reused once that store has
-// read it. This per-item epilogue cost sets the causal / non-causal ratio at N = 4k (NOTES v9).
-// A warpgroup whose rows reach before row 0 or past Nq (TMA stores of such boxes fault, NOTES
-// v9), or one with a row that needs the NaN/Inf repair, writes O straight from registers, as
-// every warpgroup does without O_VIA_TMA.
+// read it. This per-item epilogue cost sets the causal / non-causal ratio at N = 4k
+// (docs/perf/NOTES.md, v9). A warpgroup whose rows reach before row 0 or past Nq (TMA stores of
+// such boxes fault), or one with a row that needs the NaN/Inf repair, writes O straight from
+// registers, as every warpgroup does without O_VIA_TMA.
 //
 // Row blocks: slot b of a head holds the query rows [b BM - row_shift, (b + 1) BM - row_shift).
-// The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under causal
-// masking, aligns the blocks to the end of the sequence (row_shift = slots BM - Nq >= 0): the
-// partial block is then the first, which sees the fewest keys, instead of the last, which would
+// The host passes row_shift = 0 (blocks from row 0, the last one partial) or, under a right
+// bound (causal), aligns the blocks to the end of the sequence (row_shift = slots BM - Nq >= 0):
+// the partial block is then the first, which sees the fewest keys, instead of the last, which would
 // run every key tile for a few real rows. An odd block count gets an empty slot 0 (all its rows
 // negative, skipped), so that every pair of decode_paired_work stays within one head. Rows
 // before 0 are read as zeros by the TMA unit and never written.
 #include "common.cuh"
 #include "mma.cuh"
-#include "mask.cuh"
+#include "params.cuh"
+#include "features.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
@@ -44,20 +46,24 @@
 
 namespace cuflash {
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG, int O_VIA_TMA>
-struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN> {
+template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int FEATURES>
+struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr int CONSUMERS = BM / 64;
   // O through a staging tile and TMA stores (see the top of the file)
   static constexpr bool STAGE_O = O_VIA_TMA != 0;
   static constexpr int O_STAGE_BYTES = STAGE_O ? BM * HD * 2 : 0;
   static constexpr int STAGE_O_BARRIER = 8;  // named barrier 8 + consumer warpgroup
-  // PINGPONG: the consumers take turns at the tensor cores (TensorCoreTurns, tma.cuh)
-  typedef typename ConsumerTurns<PINGPONG != 0, CONSUMERS>::type Turns;
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
   // Q buffers: the next work item's Q loads during this one
   static constexpr int Q_BUFS = ItemBuffers<HD>::COUNT;
   static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
+};
+
+// The tensor maps of q, k and v (read in boxes of BM query rows, BN keys) and of o (written in
+// boxes of 64 rows, one per consumer warpgroup, where O_VIA_TMA).
+struct ForwardMaps {
+  TensorMap q, k, v, o;
 };
 
 // The barriers of the pipeline, in shared memory after the tiles.
@@ -90,19 +96,10 @@ __device__ __forceinline__ void stage_output_rows(unsigned char* sO, const float
   }
 }
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int PINGPONG, int O_VIA_TMA>
+template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int FEATURES>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-    attention_forward_tma(const __grid_constant__ TensorMap tm_q,
-                          const __grid_constant__ TensorMap tm_k,
-                          const __grid_constant__ TensorMap tm_v,
-                          const __grid_constant__ TensorMap tm_o, const unsigned short* __restrict__ q,
-                          const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-                          unsigned short* __restrict__ o, float* __restrict__ lse, i64 q_sb,
-                          i64 q_sh, i64 q_ss, i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh,
-                          i64 v_ss, i64 o_sb, i64 o_sh, i64 o_ss, int hq, int group, int nq,
-                          int nk, int d, float scale, int causal, int vec, int num_m_blocks,
-                          float p_shift, int num_work, int row_shift) {
-  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, PINGPONG, O_VIA_TMA> Tr;
+    attention_forward_tma(const __grid_constant__ ForwardMaps maps, const __grid_constant__ Params p) {
+  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, O_VIA_TMA, FEATURES> Tr;
   static_assert(!Tr::STAGE_O || HD <= 128, "an O staging tile fits in shared memory at HD <= 128");
   constexpr int Q_BUFS = Tr::Q_BUFS;
   extern __shared__ unsigned char smem_raw[];
@@ -115,8 +112,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   TmaForwardBarriers<Q_BUFS, STAGES>& bar =
       *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sO + Tr::O_STAGE_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool is_causal = causal != 0;
-  const WorkWalk walk{num_work, is_causal};  // causal work is paired (common.cuh)
+  const typename Tr::Mask mask = Tr::Mask::of(p);
+  const WorkWalk walk{p.num_work, p.paired != 0};  // common.cuh
+  const int heads_q = p.heads_q, num_blocks = p.num_blocks, row_shift = p.row_shift;
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
@@ -132,48 +130,49 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // Producer warpgroup: one thread issues every copy.
     Tr::Regs::producer();
     if (warp != 0 || lane != 0) return;
-    prefetch_tensor_map(&tm_q);
-    prefetch_tensor_map(&tm_k);
-    prefetch_tensor_map(&tm_v);
-    if constexpr (Tr::STAGE_O) prefetch_tensor_map(&tm_o);
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(&maps.v);
+    if constexpr (Tr::STAGE_O) prefetch_tensor_map(&maps.o);
     int pipe = 0;  // K/V tiles issued so far: stage pipe % STAGES, its use number pipe / STAGES
     int round = 0;  // work items done
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
-      const int kv_head = bc.head / group, m0 = bc.block * BM - row_shift;
+      if (item >= p.num_work) continue;
+      const BlockCoords bc = decode_paired_work(item, heads_q, num_blocks);
+      const int kv_head = bc.head / p.group, m0 = bc.block * BM - row_shift;
       if (m0 + BM <= 0) continue;  // an empty slot (row_shift above)
-      const KeyTiles tiles = key_tiles_for_queries(m0, BM, BN, nq, nk, is_causal);
+      const TileRange tiles = mask.key_tiles(m0, BM, BN);
       // Visit `it` of this item's key tiles into the next stage, once the consumers released it.
       auto load_kv = [&](int it) {
         const int stage = pipe % STAGES;
-        const int n0 = key_tile_at(it, tiles) * BN;
+        const int n0 = tiles.at(it) * BN;
         mbar_wait(&bar.kv_empty[stage], ((pipe / STAGES) & 1) ^ 1);
         mbar_arrive_expect_tx(&bar.k_full[stage], Tr::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sK + stage * Tr::KV_BYTES + c * (BN * 128), &tm_k, &bar.k_full[stage], 64 * c,
-                      n0, kv_head, bc.batch);
+          tma_load_4d(sK + stage * Tr::KV_BYTES + c * (BN * 128), &maps.k, &bar.k_full[stage],
+                      64 * c, n0, kv_head, bc.batch);
         mbar_arrive_expect_tx(&bar.v_full[stage], Tr::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &tm_v, &bar.v_full[stage], 64 * c,
-                      n0, kv_head, bc.batch);
+          tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &maps.v, &bar.v_full[stage],
+                      64 * c, n0, kv_head, bc.batch);
         ++pipe;
       };
       // With one Q buffer it frees up only when the consumers have finished the previous item's
       // S products, after the stages of its last tiles: load this item's first tiles before
       // waiting for it, so that they are under way when the item starts.
-      const int early = Q_BUFS == 1 ? min(tiles.count, STAGES) : 0;
+      const int count = tiles.count();
+      const int early = Q_BUFS == 1 ? min(count, STAGES) : 0;
       for (int it = 0; it < early; ++it) load_kv(it);
       const int qb = acquire_to_fill(bar.q_empty, round);
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &tm_q, &bar.q_full[qb], 64 * c, m0,
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c, m0,
                     bc.head, bc.batch);
-      for (int it = early; it < tiles.count; ++it) load_kv(it);
+      for (int it = early; it < count; ++it) load_kv(it);
     }
     return;
   }
@@ -183,29 +182,27 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
   blk.sK = sK;
   blk.sV = sV;
-  blk.nq = nq;
-  blk.nk = nk;
+  blk.mask = mask;
   blk.lane = lane;
   blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
   blk.wg = (warp - 4) >> 2;
-  blk.causal = is_causal;
-  blk.scale_log2 = scale * 1.4426950408889634f;
-  typename Tr::Turns turns;
-  turns.start(blk.wg);
+  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   // The thread that issues this warpgroup's O stores (STAGE_O)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
+  const int nq = p.seq_q, d = p.head_dim;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= num_work) continue;
-    blk.m0 = decode_paired_work(item, hq, num_m_blocks).block * BM - row_shift;
+    if (item >= p.num_work) continue;
+    blk.m0 = decode_paired_work(item, heads_q, num_blocks).block * BM - row_shift;
     if (blk.m0 + BM <= 0) continue;  // an empty slot, skipped by the producer too
     fill(blk.acc_o, 0.f);
-    blk.softmax.init(p_shift);  // see forward.cu
-    const KeyTiles tiles = key_tiles_for_queries(blk.m0, BM, BN, nq, nk, is_causal);
-    // The tiles that straddle the diagonal or the end of the keys first (mask.cuh, key_tile_at).
-    // Rows that they made non-finite are flagged and recomputed at the end (repair.cuh).
-    const int masked = tiles.count - tiles.full;
+    blk.softmax.init(p.p_shift);  // see forward.cu
+    const TileRange tiles = mask.key_tiles(blk.m0, BM, BN);
+    // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
+    // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
+    // (repair.cuh).
+    const int masked = tiles.masked(), count = tiles.count();
     unsigned repair = 0;
     const int qb = acquire_to_read(bar.q_full, round);
     blk.sQ = sQ + qb * Tr::Q_BYTES;
@@ -213,42 +210,42 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.q_empty[qb]);
     };
-    for (int it = 0; it < tiles.count; ++it, ++pipe) {
+    for (int it = 0; it < count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       const unsigned phase = (pipe / STAGES) & 1;
-      const int j = key_tile_at(it, tiles);
-      unsigned p[Tr::K_PV][4];
+      const int j = tiles.at(it);
+      unsigned pf[Tr::K_PV][4];
       mbar_wait(&bar.k_full[stage], phase);
       if (it < masked)
-        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, p, turns);
+        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf);
       else
-        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, p, turns);
-      if (it == tiles.count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
+        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf);
+      if (it == count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
       mbar_wait(&bar.v_full[stage], phase);
-      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, p, turns);
+      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, pf);
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);  // this warp is done with K_j and V_j
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
     }
-    if (tiles.count == 0) release_q();
+    if (count == 0) release_q();
 
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
     // from registers) and lse.
     float lse_rows[1][2];
     blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
-    const BlockCoords bc = decode_paired_work(item, hq, num_m_blocks);
-    unsigned short* o_head = head_ptr(o, make_strides(o_sb, o_sh, o_ss), bc.batch, bc.head);
-    float* lse_head = lse + (static_cast<i64>(bc.batch) * hq + bc.head) * nq;
+    const BlockCoords bc = decode_paired_work(item, heads_q, num_blocks);
+    unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
+    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
     const int row0 = blk.m0 + blk.warp_row0;
     bool staged = false;
     if constexpr (Tr::STAGE_O) {
       // The last item's store has read the staging tile (its issuer waited; the barrier tells the
       // others). The warpgroup stages O when its 64 rows all exist: a TMA store of a box that
-      // starts before row 0 faults on the H100 (bench/tma_store_probe.py; loads of such boxes
-      // are fine), and this epilogue's first version faulted on calls whose partial boxes ran
-      // past Nq too (NOTES v9). No row may need the repair either, whose stores would race the
-      // TMA's. Otherwise the warpgroup writes O from registers.
+      // starts before row 0 faults on the H100 (docs/perf/NOTES.md, v9; loads of such boxes are
+      // fine), and this epilogue's first version faulted on calls whose partial boxes ran past
+      // Nq too. No row may need the repair either, whose stores would race the TMA's. Otherwise
+      // the warpgroup writes O from registers.
       if (o_issuer) bulk_wait_read<0>();
       const int box_row0 = blk.m0 + 64 * blk.wg;
       const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= nq;
@@ -261,34 +258,32 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         if (o_issuer) {
 #pragma unroll
           for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-            tma_store_4d(&tm_o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c, box_row0,
+            tma_store_4d(&maps.o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c, box_row0,
                          bc.head, bc.batch);
           bulk_commit();
         }
       }
     }
     if (!staged)
-      store_accumulator_rows<Elem, Tr::NT_O>(o_head, o_ss, row0, nq, d, blk.acc_o[0], 1.f, lane);
+      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, nq, d, blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + (lane >> 2) + 8 * r;
-        if (row >= 0 && row < nq) lse_head[row] = lse_rows[0][r];
+        if (row >= 0 && row < nq) lse_head[row * p.lse.seq] = lse_rows[0][r];
       }
     }
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
-      const int kv_head = bc.head / group;
+      const int kv_head = bc.head / p.group;
       recompute_forward_rows<Elem, HD, 1>(
-          o_head + row0 * o_ss, o_ss, d, repair, lse_rows, blk.scale_log2,
-          HeadRows{head_ptr(q, make_strides(q_sb, q_sh, q_ss), bc.batch, bc.head), q_ss},
-          HeadRows{head_ptr(k, make_strides(k_sb, k_sh, k_ss), bc.batch, kv_head), k_ss},
-          HeadRows{head_ptr(v, make_strides(v_sb, v_sh, v_ss), bc.batch, kv_head), v_ss}, row0,
-          min(tiles.count * BN, nk), nq, nk, d, is_causal, lane);
+          o_head + row0 * p.o.seq, p.o.seq, d, repair, lse_rows, blk.scale_log2,
+          head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+          head_rows<const unsigned short>(p.k, bc.batch, kv_head),
+          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, mask, d, lane);
     }
   }
   if (o_issuer) bulk_wait<0>();  // the last stores have completed before the block exits
-  turns.finish();
 }
 
 }  // namespace cuflash

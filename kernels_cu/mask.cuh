@@ -1,96 +1,133 @@
-// mask.cuh: which keys a query row may see, and which tiles need the mask at all.
+// mask.cuh: who sees whom. The one visibility rule of every kernel family, the NaN repair and the
+// tile schedule; cuflash/_mask.py mirrors it for the host's scheduling and the blockwise reference.
 //
-// Causal masking is aligned to the bottom-right corner (FlashAttention >= 2.1): query i sees key j
-// when j <= i + nk - nq. Keys j >= nk are padding and are never seen. Tiles that lie entirely in
-// the visible region are processed by the unmasked loop body; only the tiles that straddle the
-// diagonal or the end of the keys run the masked body; tiles entirely invisible are skipped.
+// Query i sees key j iff 0 <= j < nk and diag(i) - left <= j <= diag(i) + right, where
+// diag(i) = i + nk - nq: a band around the bottom-right diagonal (FlashAttention >= 2.1). Dense
+// attention has both sides unbounded, causal attention right = 0, a sliding window both bounded.
+// The host stores an unbounded side as nq + nk, past which no row reaches, so there is no special
+// case in the arithmetic (it needs nq + 2 nk < 2^31, which validation guarantees).
+//
+// The right bound is a run-time value in every instance: dense and causal attention share one, and
+// their bound costs only on the tiles that straddle it. The left bound is compiled in (LOCAL,
+// features.cuh), so that the instances without it carry no code for it.
+//
+// Tiles: a query tile visits a range of key tiles [begin, end), of which [full_begin, full_end) lie
+// wholly inside every row's band and need no mask; a key tile visits a range of query tiles, with
+// the same shape. The kernels visit the masked tiles first (repair.cuh reads the accumulators right
+// after them), then the unmasked ones in ascending order. (Visiting every tile from the last down,
+// as v5 did, cost the causal Hopper forward about 10% at N = 4096: docs/perf/NOTES.md, v6.)
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
-__device__ __forceinline__ bool key_visible(int i, int j, int nq, int nk, bool causal) {
-  return j < nk && (!causal || j <= i + (nk - nq));
-}
+struct TileRange {
+  int begin, full_begin, full_end, end;
 
-// The last key query i sees (key_visible(i, j) == j <= last_visible_key(i)); negative if none.
-__device__ __forceinline__ int last_visible_key(int i, int nq, int nk, bool causal) {
-  return causal ? min(nk - 1, i + (nk - nq)) : nk - 1;
-}
-
-// Key tiles for the query rows [m0, m0 + bm): tiles [0, full) need no mask, tiles [full, count)
-// need it, tiles >= count are invisible to every (real) row of the block.
-struct KeyTiles {
-  int full, count;
+  __host__ __device__ __forceinline__ int count() const { return end - begin; }
+  __host__ __device__ __forceinline__ int masked() const { return count() - (full_end - full_begin); }
+  // Visit `it` of [0, count) -> tile index, -1 past the end: the masked tiles after the full ones,
+  // then those before them, then the full ones.
+  __host__ __device__ __forceinline__ int at(int it) const {
+    const int after = end - full_end, before = full_begin - begin;
+    if (it < after) return full_end + it;
+    if (it < after + before) return begin + (it - after);
+    it -= after + before;
+    return it < full_end - full_begin ? full_begin + it : -1;
+  }
 };
 
-__device__ __forceinline__ KeyTiles key_tiles_for_queries(int m0, int bm, int bn, int nq, int nk,
-                                                          bool causal) {
-  const int last_row = min(m0 + bm, nq) - 1;
-  // Exclusive end of the keys seen by the last real row, and of the keys seen by every row.
-  const int seen_by_last = causal ? min(nk, last_row + (nk - nq) + 1) : nk;
-  const int seen_by_all = causal ? min(nk, m0 + (nk - nq) + 1) : nk;
-  KeyTiles t;
-  t.count = seen_by_last > 0 ? ceil_div(seen_by_last, bn) : 0;
-  t.full = min(t.count, seen_by_all > 0 ? seen_by_all / bn : 0);
-  return t;
-}
-
-// The kernels visit the masked key tiles [full, count) first, so that the accumulators, checked
-// right after them, hold their contribution alone (repair.cuh), then the unmasked tiles [0, full)
-// in ascending order. (Visiting every tile from the last down, as v5 did, cost the causal Hopper
-// forward about 10% at N = 4096: bench/NOTES.md, v6.)
-// Visit `it` of [0, count) -> key tile index, or -1 past the end.
-__device__ __forceinline__ int key_tile_at(int it, const KeyTiles& t) {
-  const int masked = t.count - t.full;
-  if (it >= t.count) return -1;
-  return it < masked ? t.full + it : it - masked;
-}
-
-// Query tiles for the keys [n0, n0 + bn): tiles [first, unmasked_from) need the causal mask,
-// tiles [unmasked_from, count) do not. Padded query rows (>= nq) are neutralised through their
-// lse (+inf, so P = 0) and their zero dO, not through the mask.
-struct QueryTiles {
-  int first, unmasked_from, count;
+// A closed interval [first, last] of rows; empty when last < first.
+struct Bounds {
+  int first, last;
 };
 
-__device__ __forceinline__ QueryTiles query_tiles_for_keys(int n0, int bn, int bm, int nq, int nk,
-                                                           bool causal) {
-  QueryTiles t;
-  t.count = ceil_div(nq, bm);
-  if (!causal) {
-    t.first = 0;
-    t.unmasked_from = 0;
+template <bool LOCAL>
+struct Mask {
+  int nq, nk, left, right;
+
+  static __device__ __forceinline__ Mask of(const Params& p) {
+    return Mask{p.seq_q, p.seq_k, p.window_left, p.window_right};
+  }
+
+  __host__ __device__ __forceinline__ int diag(int i) const { return i + nk - nq; }
+  // The keys query i sees.
+  __host__ __device__ __forceinline__ Bounds keys_of(int i) const {
+    return Bounds{LOCAL ? max(0, diag(i) - left) : 0, min(nk - 1, diag(i) + right)};
+  }
+  // The queries that see key j (none for a padding key j >= nk).
+  __host__ __device__ __forceinline__ Bounds queries_of(int j) const {
+    if (j >= nk) return Bounds{nq, nq - 1};
+    return Bounds{max(0, j - right - (nk - nq)), LOCAL ? min(nq - 1, j + left - (nk - nq)) : nq - 1};
+  }
+  // Key j against the bounds of a query row (keys_of), and query i against those of a key
+  // (queries_of): the comparisons that only LOCAL instances need are compiled out elsewhere.
+  static __host__ __device__ __forceinline__ bool key_hidden(int j, const Bounds& row) {
+    return j > row.last || (LOCAL && j < row.first);
+  }
+  static __host__ __device__ __forceinline__ bool query_hidden(int i, const Bounds& key) {
+    return i < key.first || (LOCAL && i > key.last);
+  }
+  __host__ __device__ __forceinline__ bool visible(int i, int j) const { return !key_hidden(j, keys_of(i)); }
+
+  // Key tiles of bn keys for the query rows [m0, m0 + bm) (rows outside [0, nq) are padding and
+  // see nothing that matters).
+  __host__ __device__ __forceinline__ TileRange key_tiles(int m0, int bm, int bn) const {
+    const int r0 = max(m0, 0), r1 = min(m0 + bm, nq) - 1;
+    const Bounds some = Bounds{keys_of(r0).first, keys_of(r1).last};  // keys some row sees
+    if (r1 < r0 || some.last < some.first) return TileRange{0, 0, 0, 0};
+    const Bounds every = Bounds{keys_of(r1).first, keys_of(r0).last};  // keys every row sees
+    return tiles_between(some, every, bn, false);
+  }
+
+  // Query tiles of bm rows for the keys [n0, n0 + bn). Padding query rows (>= nq) need no mask:
+  // their lse (+inf) and dO (0) neutralise them; nor do padding keys (>= nk), whose rows of dK
+  // and dV are never stored.
+  __host__ __device__ __forceinline__ TileRange query_tiles(int n0, int bn, int bm) const {
+    const int k1 = min(n0 + bn, nk) - 1;
+    const Bounds some = Bounds{queries_of(n0).first, queries_of(k1).last};
+    if (k1 < n0 || some.last < some.first) return TileRange{0, 0, 0, 0};
+    const Bounds every = Bounds{queries_of(k1).first, queries_of(n0).last};
+    return tiles_between(some, every, bm, every.last >= nq - 1);
+  }
+
+ private:
+  // The tiles of `size` rows that hold rows of `some`, and among them those wholly inside `every`
+  // (`to_end`: every row from every.first on, padding included, needs no mask).
+  static __host__ __device__ __forceinline__ TileRange tiles_between(const Bounds& some, const Bounds& every,
+                                                             int size, bool to_end) {
+    TileRange t;
+    t.begin = some.first / size;
+    t.end = some.last / size + 1;
+    const int full_begin = ceil_div(every.first, size);
+    const int full_end = to_end ? t.end : (every.last >= 0 ? (every.last + 1) / size : 0);
+    t.full_begin = min(max(full_begin, t.begin), t.end);
+    t.full_end = min(max(full_end, t.full_begin), t.end);
     return t;
   }
-  // First query that sees key n0, and first query that sees the block's last key n0 + bn - 1.
-  const int first_seeing = max(0, n0 - (nk - nq));
-  const int first_seeing_all = max(0, n0 + bn - 1 - (nk - nq));
-  t.first = min(t.count, first_seeing / bm);
-  t.unmasked_from = min(t.count, max(t.first, ceil_div(first_seeing_all, bm)));
-  return t;
-}
+};
 
 // The dK/dV kernels' work list: (query head of the group, query tile), with the masked tiles of
-// every head first (see key_tile_at). Steps [0, masked_steps) are masked.
+// every head first (TileRange::at). Steps [0, masked_steps) are masked.
 struct QueryStep {
   int head, tile;
 };
 
-__device__ __forceinline__ int masked_query_steps(const QueryTiles& t, int group) {
-  return group * (t.unmasked_from - t.first);
+__host__ __device__ __forceinline__ int masked_query_steps(const TileRange& t, int group) {
+  return group * t.masked();
 }
 
-__device__ __forceinline__ QueryStep query_step_at(int step, const QueryTiles& t, int group) {
-  const int masked = t.unmasked_from - t.first, unmasked = t.count - t.unmasked_from;
+__host__ __device__ __forceinline__ QueryStep query_step_at(int step, const TileRange& t, int group) {
+  const int masked = t.masked(), unmasked = t.count() - masked;
   QueryStep s;
   if (step < group * masked) {
     s.head = step / masked;
-    s.tile = t.first + (step - s.head * masked);
+    s.tile = t.at(step - s.head * masked);
   } else {
     const int u = step - group * masked;
     s.head = u / unmasked;
-    s.tile = t.unmasked_from + (u - s.head * unmasked);
+    s.tile = t.at(masked + (u - s.head * unmasked));
   }
   return s;
 }

@@ -1,6 +1,6 @@
 // repair.cuh: exact recomputation of the rows that a masked tile made non-finite.
 //
-// On a tile that straddles the causal diagonal, a query i and a key j that i may not see still meet
+// On a tile that straddles a bound of the mask, a query i and a key j that i may not see still meet
 // in the tensor-core products, with P_ij = 0 (or dS_ij = 0). If the other operand of that product
 // (v_j, dO_i, q_i or k_j) is NaN or Inf, 0 * NaN = NaN reaches an output that must not depend on
 // it. A finite accumulator element cannot have been touched this way (0 times a finite value is 0),
@@ -22,6 +22,7 @@
 // recomputation goes one row at a time, by the whole warp: lane x owns the columns x, x + 32, ...
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 
@@ -102,24 +103,6 @@ __device__ __forceinline__ unsigned unpark_flags(const FlagSlot& slot) {
 // ---------------------------------------------------------------------------------------------
 // Step 3: recomputation
 
-// One (batch, head)'s rows of a tensor: row i starts at head + i * stride.
-struct HeadRows {
-  const unsigned short* head;
-  i64 stride;
-  __device__ __forceinline__ const unsigned short* row(int i) const {
-    return head + static_cast<i64>(i) * stride;
-  }
-};
-
-// The query side of one batch for the dK/dV recomputation: query head h has its q and dO rows at
-// head_ptr(q / dout, ..., h), its lse at head_ptr(lse, ..., h) and its D at delta + (batch hq + h) nq.
-struct QuerySide {
-  const unsigned short *q, *dout;
-  const float *lse, *delta;
-  Strides q_str, do_str, lse_str;
-  int batch, hq;
-};
-
 // Sum over the 32 lanes of a warp.
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -186,31 +169,31 @@ __device__ __forceinline__ void lane_store(unsigned short* dst, const float (&ou
   }
 }
 
-// Forward: flagged rows recomputed whole over every key [0, key_end) they see, from the lse the
-// main loop found (correct: the scores are masked with a select, so no 0 * NaN reaches it), and
-// written over their normalised rows (row rl of this warp at out + rl * pitch, columns [0, width):
-// a staging tile in shared memory, or O itself). lse_rows: this lane's rows' lse (natural log).
-template <typename Elem, int HD, int MT, typename Pitch>
+// Forward: flagged rows recomputed whole over every key they see, from the lse the main loop found
+// (correct: the scores are masked with a select, so no 0 * NaN reaches it), and written over their
+// normalised rows (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile in
+// shared memory, or O itself). lse_rows: this lane's rows' lse (natural log).
+template <typename Elem, int HD, int MT, typename Mask, typename Pitch>
 __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitch pitch, int width,
                                                        unsigned rows, const float (&lse_rows)[MT][2],
-                                                       float scale_log2, HeadRows q, HeadRows k,
-                                                       HeadRows v, int row0, int key_end, int nq,
-                                                       int nk, int d, bool causal, int lane) {
+                                                       float scale_log2, const Rows& q, const Rows& k,
+                                                       const Rows& v, int row0, const Mask& mask,
+                                                       int d, int lane) {
   constexpr int CPL = (HD + 31) / 32;  // columns per lane
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
     const int i = row0 + rl;
     // Rows outside [0, nq): padding (an end-aligned first block starts before row 0).
-    if (!row_flag<MT>(rows, rl) || i < 0 || i >= nq) continue;  // warp-uniform
+    if (!row_flag<MT>(rows, rl) || i < 0 || i >= mask.nq) continue;  // warp-uniform
     const float lse2 = row_value<MT>(lse_rows, rl) * 1.4426950408889634f;
     if (lse2 == -inf_f32()) continue;  // sees no key: stays 0
     float acc[CPL];
 #pragma unroll
     for (int n = 0; n < CPL; ++n) acc[n] = 0.f;
     const unsigned short* q_row = q.row(i);
+    const Bounds keys = mask.keys_of(i);
 #pragma unroll 1
-    for (int j = 0; j < key_end; ++j) {
-      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+    for (int j = keys.first; j <= keys.last; ++j) {
       const float p = fast_exp2(fmaf(warp_sum(lane_dot<Elem, CPL>(q_row, k.row(j), d, lane)),
                                      scale_log2, -lse2));
       lane_axpy<Elem, CPL>(acc, p, v.row(j), 0, HD, d, lane);
@@ -219,76 +202,76 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
   }
 }
 
-// dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys [0, key_end)
-// row i sees, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i), written over
-// the dQ rows (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile or dQ).
-template <typename Elem, int HD, int MT, typename Pitch>
+// dQ: flagged query rows recomputed whole, dQ_i = scale sum_j dS_ij k_j over the keys row i sees,
+// dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i), written over the dQ rows
+// (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile or dQ). lse and
+// delta: the head's rows of lse and D.
+template <typename Elem, int HD, int MT, typename Mask, typename Pitch>
 __device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pitch, int width,
-                                                  unsigned rows,
-                                                  float scale, float scale_log2, HeadRows q,
-                                                  HeadRows dout, HeadRows k, HeadRows v,
-                                                  const float* lse_head, i64 lse_ss,
-                                                  const float* delta_head, int row0, int key_end,
-                                                  int nq, int nk, int d, bool causal, int lane) {
+                                                  unsigned rows, float scale, float scale_log2,
+                                                  const Rows& q, const Rows& dout, const Rows& k,
+                                                  const Rows& v, const HeadRows<const float>& lse,
+                                                  const HeadRows<const float>& delta, int row0,
+                                                  const Mask& mask, int d, int lane) {
   constexpr int CPL = (HD + 31) / 32;
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
     const int i = row0 + rl;
-    if (!row_flag<MT>(rows, rl) || i >= nq) continue;  // warp-uniform
-    const float lse2 = lse_log2(lse_head[i * lse_ss]), delta = delta_head[i];
+    if (!row_flag<MT>(rows, rl) || i >= mask.nq) continue;  // warp-uniform
+    const float lse2 = lse_log2(*lse.row(i)), dlt = *delta.row(i);
     float acc[CPL];
 #pragma unroll
     for (int n = 0; n < CPL; ++n) acc[n] = 0.f;
     const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
+    const Bounds keys = mask.keys_of(i);
 #pragma unroll 1
-    for (int j = 0; j < key_end; ++j) {
-      if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+    for (int j = keys.first; j <= keys.last; ++j) {
       const unsigned short *k_row = k.row(j), *v_row = v.row(j);
       const float s = warp_sum(lane_dot<Elem, CPL>(q_row, k_row, d, lane));
       const float dp = warp_sum(lane_dot<Elem, CPL>(do_row, v_row, d, lane));
       const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
-      lane_axpy<Elem, CPL>(acc, p * (dp - delta), k_row, 0, HD, d, lane);
+      lane_axpy<Elem, CPL>(acc, p * (dp - dlt), k_row, 0, HD, d, lane);
     }
     lane_store<Elem, CPL>(out + rl * pitch, acc, scale, width, lane);
   }
 }
 
 // dK and dV: flagged key rows (this warp's 16 keys from key0, columns [col0, col0 + W)) recomputed
-// whole over the query rows [query_begin, nq) of query heads head0 .. head0 + group - 1 that see
-// them: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the rows (key row rl of
-// this warp at out_dk / out_dv + rl * pitch, columns [col0, col0 + width): staging tiles, or dK
-// and dV themselves).
-template <typename Elem, int HD, int W, typename Pitch>
+// whole over the query rows that see them, of the query heads of key/value head `kv_head` of
+// sequence `batch`: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the rows
+// (key row rl of this warp at out_dk / out_dv + rl * pitch, columns [col0, col0 + width): staging
+// tiles, or dK and dV themselves).
+template <typename Elem, int HD, int W, typename Mask, typename Pitch>
 __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsigned short* out_dv,
                                                     Pitch pitch, int width, unsigned rows, float scale,
-                                                    float scale_log2, const QuerySide& qs, int head0,
-                                                    int group, HeadRows k, HeadRows v, int key0,
-                                                    int col0, int query_begin, int nq, int nk, int d,
-                                                    bool causal, int lane) {
+                                                    float scale_log2, const Params& p, int batch,
+                                                    int kv_head, const Rows& k, const Rows& v,
+                                                    int key0, int col0, const Mask& mask, int lane) {
   constexpr int CPL = (HD + 31) / 32, OPL = (W + 31) / 32;  // dot columns, output columns per lane
+  const int d = p.head_dim;
 #pragma unroll 1
   for (int rl = 0; rl < 16; ++rl) {
     const int j = key0 + rl;
-    if (!row_flag<1>(rows, rl) || j >= nk) continue;  // warp-uniform
+    if (!row_flag<1>(rows, rl) || j >= mask.nk) continue;  // warp-uniform
     const unsigned short *k_row = k.row(j), *v_row = v.row(j);
+    const Bounds queries = mask.queries_of(j);
     float acc_dk[OPL], acc_dv[OPL];
 #pragma unroll
     for (int n = 0; n < OPL; ++n) acc_dk[n] = acc_dv[n] = 0.f;
 #pragma unroll 1
-    for (int h = head0; h < head0 + group; ++h) {
-      const HeadRows q{head_ptr(qs.q, qs.q_str, qs.batch, h), qs.q_str.seq};
-      const HeadRows dout{head_ptr(qs.dout, qs.do_str, qs.batch, h), qs.do_str.seq};
-      const float* lse_head = head_ptr(qs.lse, qs.lse_str, qs.batch, h);
-      const float* delta_head = qs.delta + (static_cast<i64>(qs.batch) * qs.hq + h) * nq;
+    for (int h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
+      const Rows q = head_rows<const unsigned short>(p.q, batch, h);
+      const Rows dout = head_rows<const unsigned short>(p.dout, batch, h);
+      const HeadRows<const float> lse = head_rows<const float>(p.lse, batch, h);
+      const HeadRows<const float> delta = head_rows<const float>(p.delta, batch, h);
 #pragma unroll 1
-      for (int i = query_begin; i < nq; ++i) {
-        if (!key_visible(i, j, nq, nk, causal)) continue;  // warp-uniform
+      for (int i = queries.first; i <= queries.last; ++i) {
         const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
         const float s = warp_sum(lane_dot<Elem, CPL>(k_row, q_row, d, lane));
         const float dp = warp_sum(lane_dot<Elem, CPL>(v_row, do_row, d, lane));
-        const float p = fast_exp2(fmaf(s, scale_log2, -lse_log2(lse_head[i * qs.lse_str.seq])));
-        lane_axpy<Elem, OPL>(acc_dv, p, do_row, col0, W, d, lane);
-        lane_axpy<Elem, OPL>(acc_dk, p * (dp - delta_head[i]), q_row, col0, W, d, lane);
+        const float pr = fast_exp2(fmaf(s, scale_log2, -lse_log2(*lse.row(i))));
+        lane_axpy<Elem, OPL>(acc_dv, pr, do_row, col0, W, d, lane);
+        lane_axpy<Elem, OPL>(acc_dk, pr * (dp - *delta.row(i)), q_row, col0, W, d, lane);
       }
     }
     lane_store<Elem, OPL>(out_dk + rl * pitch + col0, acc_dk, scale, width, lane);

@@ -85,10 +85,9 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uns
 
 // Copies the box at `src` (shared memory, 1024-byte aligned, in the map's swizzled layout) to the
 // coordinates (c0, c1, c2, c3) of a 4-D tensor map in global memory. Unlike tma_load_4d, callers
-// keep the box inside the tensor: on the H100 a store of a box that starts before row 0 faults
-// (bench/tma_store_probe.py), and partial boxes past the last row faulted inside the forward
-// (bench/NOTES.md, v9). The copy joins the issuing thread's current bulk group (bulk_commit,
-// bulk_wait_read).
+// keep the box inside the tensor: on the H100 a store of a box that starts before row 0 faults,
+// and partial boxes past the last row faulted inside the forward (docs/perf/NOTES.md, v9). The
+// copy joins the issuing thread's current bulk group (bulk_commit, bulk_wait_read).
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1,
                                              int c2, int c3) {
   asm volatile(
@@ -122,7 +121,7 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 }
 
 // Barrier `id` over the 128 threads of one warpgroup that also returns whether `pred` holds for
-// any of them (bar.red.or). Ids 1..3 are TensorCoreTurns'; callers use 8 and up.
+// any of them (bar.red.or). Id 0 is __syncthreads'; callers use 8 and up.
 __device__ __forceinline__ bool warpgroup_any(int id, bool pred) {
   unsigned any;
   asm volatile(
@@ -184,45 +183,6 @@ struct WarpSpecialisedRegisters {
   static __device__ __forceinline__ void consumer() {
     if constexpr (CONSUMERS > 1) warpgroup_claim_registers<CONSUMER>();
   }
-};
-
-// Tensor-core turns of the consumer warpgroups (the "ping-pong" schedule of FlashAttention-3):
-// warpgroup c issues its products only in its turn and then hands the turn to c + 1 (mod
-// CONSUMERS), so that one warpgroup's softmax runs while the next one's products hold the tensor
-// cores, from the first key tile of every work item on (left alone, the warpgroups start each
-// item together and may stay in step). Named barrier 1 + c (0 is __syncthreads): c's 128 threads
-// sync on it, the 128 of the warpgroup before it arrive. Every consumer warpgroup must take the
-// same number of turns (they walk the same work items and key tiles).
-template <int CONSUMERS>
-struct TensorCoreTurns {
-  static constexpr int THREADS = 256;  // the warpgroup whose turn it is, and the one before it
-  int wg;
-  // For consumer warpgroup `consumer`; the last one hands the first turn to warpgroup 0.
-  __device__ __forceinline__ void start(int consumer) {
-    wg = consumer;
-    if (wg == CONSUMERS - 1) asm volatile("bar.arrive 1, %0;\n" ::"n"(THREADS) : "memory");
-  }
-  __device__ __forceinline__ void take() const {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "n"(THREADS) : "memory");
-  }
-  __device__ __forceinline__ void pass() const {
-    const int next = wg + 1 == CONSUMERS ? 0 : wg + 1;
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + next), "n"(THREADS) : "memory");
-  }
-  // After the last turn: warpgroup 0 takes the turn the last warpgroup handed on, so that no
-  // barrier is left with arrivals when the block exits.
-  __device__ __forceinline__ void finish() const {
-    if (wg == 0) take();
-  }
-};
-
-template <bool ON, int CONSUMERS>
-struct ConsumerTurns {
-  typedef NoTurns type;
-};
-template <int CONSUMERS>
-struct ConsumerTurns<true, CONSUMERS> {
-  typedef TensorCoreTurns<CONSUMERS> type;
 };
 
 // Buffers of the per-item tiles: two (the next item's load overlaps this one) where shared memory

@@ -60,15 +60,6 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
          (static_cast<unsigned long long>((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-// No tensor-core turns (see TensorCoreTurns, tma.cuh): a warpgroup issues its products when it
-// is ready.
-struct NoTurns {
-  __device__ __forceinline__ void start(int) const {}
-  __device__ __forceinline__ void take() const {}
-  __device__ __forceinline__ void pass() const {}
-  __device__ __forceinline__ void finish() const {}
-};
-
 // Ordering: ordinary (and cp.async) writes to shared memory that wgmma reads next must be made
 // visible to the async proxy by each writing thread before the barrier.
 __device__ __forceinline__ void fence_proxy_async() {

@@ -297,3 +297,28 @@ def test_error_backward_arguments():
         cuflash.attention_backward(do, q, k, v, o, lse.astype(np.float64))
     with raises(TypeError, "lse must be an array that supports DLPack"):
         cuflash.attention_backward(do, q, k, v, o, None)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_q_or_k_reaches_exactly_the_rows_it_touches(where, causal):
+    # The CPU backend keeps the GPU's promise: a NaN in a row of q reaches that output row, one in
+    # a row of k the rows that see that key (o and lse NaN there), as the naive float64 reference
+    # computes it; every other value is as without the NaN, and the backward follows the reference.
+    q, k, v = qkv(dtype=np.float64, nq=37, nk=45)
+    do = randn(*q.shape, dtype=np.float64)
+    bad = q if where == "q" else k
+    bad[0, 20, 1, 3] = np.nan
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    o_ref, lse_ref = reference.forward(q, k, v, causal=causal)
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(o_ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+    assert np.isnan(o).any() and np.isnan(lse).any()
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)  # NaN where NaN, else close
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-12)
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+    for got, want in zip(
+        grads, reference.backward(do, q, k, v, o, lse, causal=causal), strict=True
+    ):
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)

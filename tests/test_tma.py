@@ -1,6 +1,6 @@
-"""The host side of the Hopper TMA kernels, on the CPU: the kernel-argument packing, the tensor
-maps' strides and address patching (with a stand-in for the driver's encoder), and the table of
-TMA instances (shared memory, threads, the long-sequence tiles)."""
+"""The host side of the Hopper TMA kernels, on the CPU: the tensor maps' strides and address
+patching (with a stand-in for the driver's encoder), the TMA instances (shared memory, threads, the
+long-sequence tiles) and the forward's row slots."""
 
 from __future__ import annotations
 
@@ -9,24 +9,7 @@ import struct
 
 import pytest
 
-from cuflash import _cuda, _kernels, _tma
-
-
-def test_argument_items_keep_tensor_maps_whole():
-    assert _cuda._argument_items("3Q128s2i") == ["Q", "Q", "Q", "128s", "i", "i"]
-    assert _cuda._argument_items("128s128sqf") == ["128s", "128s", "q", "f"]
-
-
-def test_argument_buffer_points_at_each_argument():
-    fmt = "128sQi128s"
-    data, params = _cuda._argument_buffer(fmt)
-    blob_a, blob_b = bytes(range(128)), bytes(range(128, 256))
-    struct.pack_into(fmt, data, 0, blob_a, 0x1234, 7, blob_b)
-    pointers = (ctypes.c_uint64 * 4).from_address(params)
-    assert ctypes.string_at(pointers[0], 128) == blob_a
-    assert ctypes.c_uint64.from_address(pointers[1]).value == 0x1234
-    assert ctypes.c_int32.from_address(pointers[2]).value == 7
-    assert ctypes.string_at(pointers[3], 128) == blob_b
+from cuflash import _dispatch, _kernels, _tma
 
 
 def test_tma_strides():
@@ -99,12 +82,17 @@ def test_tma_instances():
     for family in ("forward", "dq", "dkdv"):
         for dtype in _kernels.DTYPES:
             for d in (1, 40, 64, 100, 128, 200, 232, 256):
-                for seq, causal in ((64, False), (1 << 20, False), (1 << 20, True)):
-                    spec = _kernels.tma_spec(family, dtype, d, "sm_90a", seq, causal)
-                    bucket = _kernels.head_dim_bucket(d)
-                    if dtype not in _kernels.TENSOR_CORE_DTYPES or bucket not in (64, 128, 256):
-                        assert spec is None
-                        continue
+                bucket = _kernels.head_dim_bucket(d)
+                has_tma = "tma" in _kernels.paths(family, dtype, d, "sm_90a")
+                assert has_tma == (
+                    dtype in _kernels.TENSOR_CORE_DTYPES and bucket in (64, 128, 256)
+                )
+                assert "tma" not in _kernels.paths(family, dtype, d, "sm_80")
+                if not has_tma:
+                    continue
+                for seq in (64, 1 << 20):
+                    tiles = _kernels.default_tiles(family, "tma", dtype, d, seq)
+                    spec = _kernels.instance(family, "tma", dtype, d, tiles)
                     assert spec.source.endswith("_tma.cu") and spec.head_dim == bucket
                     assert spec.smem_bytes <= limit, spec
                     # one producer warpgroup and consumer warpgroups of 64 query rows (keys for
@@ -112,28 +100,23 @@ def test_tma_instances():
                     split = family == "dkdv" and bucket == 256
                     consumers = 2 if split else spec.rows_per_block // 64
                     assert spec.threads == (consumers + 1) * 128, spec
-                assert _kernels.tma_spec(family, dtype, d, "sm_80") is None
-    # long sequences at d = 64 take taller query tiles in the forward, causal or not, from 2048 rows
-    short = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 1024, False)
-    short_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2047, True)
-    long_full = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, False)
-    long_causal = _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a", 2048, True)
-    assert short.rows_per_block == 128 and short_causal.rows_per_block == 128
-    assert long_full.rows_per_block == 192 and long_causal.rows_per_block == 192
-    _kernels.set_tma(False)
-    try:
-        assert _kernels.tma_spec("forward", "bfloat16", 64, "sm_90a") is None
-    finally:
-        _kernels.set_tma(True)
-    # the compile check builds every TMA instance
+    # long sequences at d = 64 take taller query tiles in the forward, from 2048 rows
+    assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2047) == (128, 128, 2)
+    long_tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2048)
+    assert long_tiles == (192, 128, 2)
+    # the compile check builds every TMA instance the dispatch can launch
     names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
-    assert long_full.name_expression in names and short.name_expression in names
+    for seq in (1024, 4096):
+        tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, seq)
+        for o_via_tma in (False, True):
+            spec = _kernels.instance("forward", "tma", "bfloat16", 64, tiles, 0, o_via_tma)
+            assert spec.name_expression in names
 
 
-def _slot_rows(seq_q: int, bm: int, causal: bool) -> list[range]:
+def _slot_rows(seq_q: int, bm: int, end_aligned: bool) -> list[range]:
     """The query rows of each non-empty slot of the TMA forward's work list, as the kernel
-    computes them from causal_row_slots (kernels_cu/forward_sm90_tma.cu)."""
-    slots, shift = _kernels.causal_row_slots(seq_q, bm, causal)
+    computes them from row_slots (kernels_cu/forward_sm90_tma.cu)."""
+    slots, shift = _dispatch.row_slots(seq_q, bm, end_aligned)
     rows = []
     for b in range(slots):
         m0 = b * bm - shift
@@ -149,42 +132,31 @@ def _causal_key_tiles(block_rows: range, bn: int) -> int:
 
 
 @pytest.mark.parametrize("end_aligned", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_row_slots_cover_every_query_row_once(causal, end_aligned):
-    default = _kernels.causal_end_aligned()
-    _kernels.set_causal_end_aligned(end_aligned)
-    try:
-        for bm in (64, 128, 192):
-            for seq_q in (1, 63, 64, 100, 191, 192, 193, 384, 1000, 2048, 4096, 8192):
-                slots, shift = _kernels.causal_row_slots(seq_q, bm, causal)
-                rows = _slot_rows(seq_q, bm, causal)
-                covered = [i for r in rows for i in r]
-                assert covered == list(range(seq_q)), (bm, seq_q)
-                assert all(len(r) > 0 for r in rows)
-                assert 0 <= shift < 2 * bm
-                if causal and end_aligned:
-                    # pairs of slots (decode_paired_work) never straddle two heads, and only
-                    # the first block (the one that sees the fewest keys) is partial
-                    assert slots % 2 == 0
-                    assert all(len(r) == bm for r in rows[1:])
-                else:
-                    assert (slots, shift) == (-(-seq_q // bm), 0)
-                    assert all(len(r) == bm for r in rows[:-1])
-    finally:
-        _kernels.set_causal_end_aligned(default)
+def test_row_slots_cover_every_query_row_once(end_aligned):
+    for bm in (64, 128, 192):
+        for seq_q in (1, 63, 64, 100, 191, 192, 193, 384, 1000, 2048, 4096, 8192):
+            slots, shift = _dispatch.row_slots(seq_q, bm, end_aligned)
+            rows = _slot_rows(seq_q, bm, end_aligned)
+            covered = [i for r in rows for i in r]
+            assert covered == list(range(seq_q)), (bm, seq_q)
+            assert all(len(r) > 0 for r in rows)
+            assert 0 <= shift < 2 * bm
+            if end_aligned:
+                # pairs of slots (decode_paired_work) never straddle two heads, and only the first
+                # block (the one that sees the fewest keys) is partial
+                assert slots % 2 == 0
+                assert all(len(r) == bm for r in rows[1:])
+            else:
+                assert (slots, shift) == (-(-seq_q // bm), 0)
+                assert all(len(r) == bm for r in rows[:-1])
 
 
 def test_end_aligned_causal_blocks_run_fewer_key_tiles():
     # N = 4096 with 192-row blocks: start-aligned, the last block holds 64 rows but runs all 32
     # key tiles; end-aligned, the partial block runs one: 363 tiles where 341.5 are useful
-    # (bench/NOTES.md, v8).
+    # (docs/perf/NOTES.md, v8).
     def tiles(seq_q, end_aligned):
-        default = _kernels.causal_end_aligned()
-        _kernels.set_causal_end_aligned(end_aligned)
-        try:
-            return sum(_causal_key_tiles(r, 128) for r in _slot_rows(seq_q, 192, True))
-        finally:
-            _kernels.set_causal_end_aligned(default)
+        return sum(_causal_key_tiles(r, 128) for r in _slot_rows(seq_q, 192, end_aligned))
 
     assert tiles(4096, False) == 384 and tiles(4096, True) == 363
     for seq_q in (100, 1000, 2048, 8192, 16384, 5000):
@@ -193,32 +165,21 @@ def test_end_aligned_causal_blocks_run_fewer_key_tiles():
     assert tiles(3840, True) == tiles(3840, False)
 
 
-def test_forward_writes_o_with_tma_stores_where_shared_memory_has_room():
+def test_forward_stages_o_only_where_shared_memory_has_room():
     # An O staging tile (BM rows) fits beside Q and the K/V stages up to head dim 128; the
-    # instances without it serve set_tma_store(False) and outputs the driver will not map, and
-    # the compile check builds both (kernels_cu/forward_sm90_tma.cu).
+    # instances without it serve o_store="registers" and head dims below their bucket, and the
+    # compile check builds both (kernels_cu/forward_sm90_tma.cu).
     limit = 227 * 1024  # sm_90's opt-in shared memory per block
-    names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
     for dtype in _kernels.TENSOR_CORE_DTYPES:
-        for d, seq in ((64, 1024), (64, 8192), (128, 1024), (256, 1024)):
-            staged = _kernels.tma_spec("forward", dtype, d, "sm_90a", seq)
-            direct = _kernels.tma_spec("forward", dtype, d, "sm_90a", seq, o_via_tma=False)
-            assert staged.o_via_tma == (d <= 128) and not direct.o_via_tma
-            assert staged.name_expression.endswith(", 1>" if d <= 128 else ", 0>")
-            assert direct.name_expression.endswith(", 0>")
-            extra = staged.rows_per_block * d * 2 if d <= 128 else 0
-            assert staged.smem_bytes == direct.smem_bytes + extra <= limit
-            assert {staged.name_expression, direct.name_expression} <= names
-    # head dims below their bucket write O from registers (the unit would store partial boxes)
-    for d in (40, 120):
-        spec = _kernels.tma_spec("forward", "bfloat16", d, "sm_90a")
-        assert spec is not None and not spec.o_via_tma
-    _kernels.set_tma_store(False)
-    try:
-        assert _kernels.tma_store_enabled() is False
-        assert not _kernels.tma_spec("forward", "bfloat16", 128, "sm_90a").o_via_tma
-    finally:
-        _kernels.set_tma_store(True)
-    assert _kernels.tma_spec("forward", "bfloat16", 128, "sm_90a").o_via_tma
-    # the backward kernels write their gradients as before
-    assert not _kernels.tma_spec("dq", "bfloat16", 128, "sm_90a").o_via_tma
+        for d, seq in ((64, 1024), (64, 8192), (128, 1024)):
+            tiles = _kernels.default_tiles("forward", "tma", dtype, d, seq)
+            staged = _kernels.instance("forward", "tma", dtype, d, tiles, 0, True)
+            direct = _kernels.instance("forward", "tma", dtype, d, tiles, 0, False)
+            assert staged.o_via_tma and not direct.o_via_tma
+            assert staged.name_expression.endswith(", 1, 0>")
+            assert direct.name_expression.endswith(", 0, 0>")
+            assert staged.smem_bytes == direct.smem_bytes + staged.rows_per_block * d * 2 <= limit
+    with pytest.raises(ValueError, match="TMA store"):
+        _kernels.instance("forward", "tma", "bfloat16", 256, None, 0, True)
+    with pytest.raises(ValueError, match="TMA store"):
+        _kernels.instance("dq", "tma", "bfloat16", 128, None, 0, True)

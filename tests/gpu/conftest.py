@@ -14,26 +14,20 @@ from gpu_records import EXAMPLES, RECORD
 
 
 @pytest.fixture(autouse=True, scope="session")
-def o_store_from_environment():
-    """CUFLASH_TEST_O_STORE=registers runs the suite with the TMA forward writing O from
-    registers (cuflash._kernels.set_tma_store(False)) instead of through TMA stores."""
-    from cuflash import _kernels
-
-    default = _kernels.tma_store_enabled()
-    if os.environ.get("CUFLASH_TEST_O_STORE") == "registers":
-        _kernels.set_tma_store(False)
-    yield
-    _kernels.set_tma_store(default)
-
-
-@pytest.fixture(autouse=True)
 def poisoned_outputs():
-    """Every output buffer starts as NaN, so an element no kernel writes fails the comparison."""
-    from cuflash import _interop
+    """Every output buffer starts as NaN (plans built with CUFLASH_POISON_OUTPUTS=1: the
+    allocator's poison argument), so an element no kernel writes fails the comparison."""
+    from cuflash import _plans
 
-    _interop.poison_outputs = True
+    previous = os.environ.get("CUFLASH_POISON_OUTPUTS")
+    os.environ["CUFLASH_POISON_OUTPUTS"] = "1"
+    _plans.clear()
     yield
-    _interop.poison_outputs = False
+    if previous is None:
+        del os.environ["CUFLASH_POISON_OUTPUTS"]
+    else:
+        os.environ["CUFLASH_POISON_OUTPUTS"] = previous
+    _plans.clear()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -3,10 +3,11 @@
     compute-sanitizer --tool memcheck python tests/gpu/sanitize_cases.py [--all-buckets]
 
 Each case runs the forward pass and the backward pass (preprocess, dK/dV, dQ) on odd sizes,
-grouped heads and causal masking, through both the 16-byte cp.async path (aligned) and the
-element-wise path (unaligned views), plus, for fp16 and bf16, a causal forward whose first
-(end-aligned) row block starts before row 0 and meets a NaN key (the repair path).
---all-buckets covers every head-dim instance; --forward-tiles picks the TMA forward's tiles.
+grouped heads and causal masking, through both the 16-byte path (aligned) and the element-wise
+path (unaligned views), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row
+block starts before row 0 and meets a NaN key (the repair path). --all-buckets covers every
+head-dim instance; --forward-tiles and --register-store choose other TMA forwards (an explicit
+KernelChoice, cuflash/_dispatch.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ import sys
 
 import torch
 
-import cuflash
-from cuflash import _kernels
+from cuflash import testing
+from cuflash._dispatch import KernelChoice
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def run(
-    dtype: torch.dtype, d: int, causal: bool, aligned: bool, nq: int = 67, nk: int = 45
+    choice: KernelChoice,
+    dtype: torch.dtype,
+    d: int,
+    causal: bool,
+    aligned: bool,
+    nq: int = 67,
+    nk: int = 45,
 ) -> None:
     gen = torch.Generator(device="cuda").manual_seed(d)
 
@@ -33,28 +40,24 @@ def run(
         return x if aligned else x[..., 1:]
 
     q, k, v, do = make(nq, 4), make(nk, 2), make(nk, 2), make(nq, 4)
-    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-    dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+    o, lse, _ = testing.attention_forward_with(choice, q, k, v, causal=causal)
+    dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=causal)
     torch.cuda.synchronize()
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         if not torch.isfinite(x).all():
             raise SystemExit(f"non-finite {name} for {dtype} d={d} causal={causal}")
 
 
-def run_nan_key_before_row_0(dtype: torch.dtype, d: int) -> None:
-    """Forward on Nq < Nk under causal masking, with end-aligned row blocks
-    (cuflash._kernels.set_causal_end_aligned) and a NaN key that the first block's rows before 0
-    see: the repair path gets those rows flagged and must not read or write them."""
-    default = _kernels.causal_end_aligned()
-    _kernels.set_causal_end_aligned(True)
+def run_nan_key_before_row_0(choice: KernelChoice, dtype: torch.dtype, d: int) -> None:
+    """Causal forward on Nq < Nk (end-aligned row blocks) with a NaN key that the first block's
+    rows before 0 see: the repair path gets those rows flagged and must not read or write them."""
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (
         torch.randn(1, n, 2, d, generator=gen, device="cuda").to(dtype) for n in (100, 300, 300)
     )
     k[0, 150, 1, 0] = float("nan")
-    cuflash.attention_forward(q, k, v, causal=True)
+    testing.attention_forward_with(choice, q, k, v, causal=True)
     torch.cuda.synchronize()
-    _kernels.set_causal_end_aligned(default)
 
 
 def main() -> int:
@@ -64,35 +67,31 @@ def main() -> int:
     parser.add_argument(
         "--forward-tiles",
         nargs="+",
-        metavar="D:BM,BN,S[,TURNS]",
-        help="the TMA forward's tiles for these head-dim buckets (both dtypes)",
+        default=(),
+        metavar="BM,BN,STAGES",
+        help="the TMA forward's tiles (every head dim given)",
     )
     parser.add_argument(
-        "--register-store",
-        action="store_true",
-        help="the TMA forward writes O from registers (set_tma_store(False))",
+        "--register-store", action="store_true", help="the TMA forward writes O from registers"
     )
     args = parser.parse_args()
-    if args.register_store:
-        _kernels.set_tma_store(False)
-    for item in args.forward_tiles or ():
-        bucket, tiles = item.split(":")
-        for name in ("float16", "bfloat16"):
-            _kernels.set_tile_override(
-                "forward_tma", name, int(bucket), tuple(int(x) for x in tiles.split(","))
-            )
+    tiles = tuple(int(x) for x in args.forward_tiles[0].split(",")) if args.forward_tiles else None
+    choice = KernelChoice(
+        tiles=((("forward", "tma"), tiles),) if tiles else (),
+        o_store="registers" if args.register_store else "tma",
+    )
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
     count = 0
     for dtype in DTYPES:
         for d in head_dims:
             for causal in (False, True):
-                run(dtype, d, causal, aligned=True)
+                run(choice, dtype, d, causal, aligned=True)
                 count += 1
-            run(dtype, d, True, aligned=False, nq=33, nk=70)
+            run(choice, dtype, d, True, aligned=False, nq=33, nk=70)
             count += 1
             if dtype in (torch.float16, torch.bfloat16):
-                run_nan_key_before_row_0(dtype, d)
+                run_nan_key_before_row_0(choice, dtype, d)
                 count += 1
     print(f"sanitize cases: {count} forward+backward runs completed")
     return 0

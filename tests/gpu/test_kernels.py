@@ -1,4 +1,4 @@
-"""The CUDA kernels against the float64 reference, under the tolerance policy of DESIGN.md.
+"""The CUDA kernels against the float64 reference, under the tolerance policy of docs/DESIGN.md.
 
 Inputs are made with PyTorch (the only library here with bfloat16 on the GPU and arbitrary strided
 views); references are computed in float64 on the GPU with CuPy (cuflash.testing). Every output
@@ -118,7 +118,9 @@ def lse_bh64(lse: torch.Tensor, layout: str):
     return x[None, None] if layout == "2d" else x
 
 
-def check_case(case: Case, test_name: str = "property"):
+def check_case(case: Case, test_name: str = "property", choice=None):
+    """Forward and backward of the case against the float64 reference; with `choice` (a
+    cuflash._dispatch.KernelChoice) through plans built with it, which are returned."""
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
     q = make(case, case.shape(case.seq_q, case.heads_q), gen)
     k = make(case, case.shape(case.seq_k, case.heads_kv), gen)
@@ -126,13 +128,20 @@ def check_case(case: Case, test_name: str = "property"):
     do = make(case, case.shape(case.seq_q, case.heads_q), gen)
     layout = "bshd" if case.layout == "2d" else case.layout
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
+    options = dict(causal=case.causal, scale=case.scale, layout=layout)
 
-    o, lse = cuflash.attention_forward(q, k, v, causal=case.causal, scale=case.scale, layout=layout)
+    plans = (None, None)
+    if choice is None:
+        o, lse = cuflash.attention_forward(q, k, v, **options)
+    else:
+        o, lse, fwd = testing.attention_forward_with(choice, q, k, v, **options)
     assert o.dtype == q.dtype and o.shape == q.shape and o.device == q.device
     assert lse.dtype == (torch.float64 if case.dtype == "float64" else torch.float32)
-    dq, dk, dv = cuflash.attention_backward(
-        do, q, k, v, o, lse, causal=case.causal, scale=case.scale, layout=layout
-    )
+    if choice is None:
+        dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, **options)
+    else:
+        dq, dk, dv, bwd = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
+        plans = (fwd, bwd)
 
     qb, kb, vb, dob = (to_bhsd64(x, case.layout) for x in (q, k, v, do))
     kw = dict(causal=case.causal, scale=scale, xp=cupy)
@@ -164,6 +173,7 @@ def check_case(case: Case, test_name: str = "property"):
     if limit is not None:
         checked = [c for c in checks if c.name in ("o", "lse", "dv")]
         assert all(c.relative < limit for c in checked), [c.message for c in checked]
+    return plans
 
 
 @given(case=cases())
@@ -272,14 +282,14 @@ def test_torch_inputs_run_on_the_current_stream():
 
 
 def test_second_call_compiles_nothing():
-    from cuflash import _cuda
+    from cuflash import _compile
 
     q = torch.randn(1, 33, 1, 40, device="cuda").half()
     cuflash.attention_backward(q, q, q, q, *cuflash.attention_forward(q, q, q))
-    before = _cuda.compile_count
+    before = _compile.compile_count
     o, lse = cuflash.attention_forward(q, q, q)
     cuflash.attention_backward(q, q, q, q, o, lse)
-    assert _cuda.compile_count == before
+    assert _compile.compile_count == before
 
 
 def test_zero_size_and_empty_keys_on_gpu():

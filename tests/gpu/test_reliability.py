@@ -312,20 +312,20 @@ def test_65536_short_rows():
 
 
 def test_eight_threads_with_racing_first_compilation():
-    from cuflash import _cuda, _kernels, _plans
+    from cuflash import _compile, _kernels, _plans
 
-    # a configuration no other test uses, so its modules are compiled during the race
+    # a configuration no other test uses (mma.sync everywhere: no Hopper kernel at d = 200), so
+    # its modules are compiled during the race
     dtype, d = torch.float16, 200
-    _kernels.kernel_spec.cache_clear()
-    names = [
-        _kernels.kernel_spec(f, "float16", d).name_expression
+    arch = _compile.device_arch(torch.cuda.current_device())
+    names = {
+        _kernels.instance(f, _kernels.paths(f, "float16", d, arch)[0], "float16", d).name_expression
         for f in ("forward", "preprocess", "dkdv", "dq")
-    ]
-    for key in list(_cuda._loaded):
-        if key[0] in names:
-            del _cuda._loaded[key]
+    }
+    assert len(names) == 4
+    _compile.forget(names)
     _plans.clear()
-    before = _cuda.compile_count
+    before = _compile.compile_count
     inputs = [
         tuple(rand(1, 97, 2, d, dtype=dtype, seed=100 + 4 * t + i) for i in range(4))
         for t in range(8)
@@ -353,7 +353,7 @@ def test_eight_threads_with_racing_first_compilation():
         th.join(timeout=120)
     assert not any(th.is_alive() for th in threads), "a thread is stuck"
     assert not errors, errors
-    assert _cuda.compile_count - before == 4  # each module compiled once
+    assert _compile.compile_count - before == 4  # each module compiled once
     for t in range(8):  # each thread's results equal a quiet single-threaded run
         q, k, v, do = inputs[t]
         o, lse = cuflash.attention_forward(q, k, v, causal=True)

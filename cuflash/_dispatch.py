@@ -1,0 +1,253 @@
+"""The one place that decides which kernels a call runs, with which tiles and launch shape.
+
+From the problem (cuflash/_problem.py), the strides of its arrays, the GPU's architecture and
+multiprocessor count, ``forward`` and ``backward`` pick per kernel family the path (tma, wgmma,
+mma, exact; cuflash/_kernels.py lists what exists), the tiles, how O is stored, the work list of
+the persistent kernels and its row blocks. A call's pointers are known only when it runs, so each
+choice comes as a pair: the launch for 16-byte aligned pointers, and the one for any pointers;
+the plan (cuflash/_cuda.py) takes one or the other per call.
+
+Tests and benchmarks ask for other kernels with a KernelChoice; the library's own calls use
+DEFAULT. Pure Python: no CuPy, no driver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from . import _kernels, _tma
+from ._kernels import KernelSpec
+from ._problem import Problem
+
+Strides = dict[str, tuple[int, int, int]]  # tensor name -> (batch, head, row) element strides
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What a test or benchmark asks for instead of the library's choice (None: the library's).
+
+    path: the fastest path to allow ("tma", "wgmma", "mma"); a family without an instance there
+        takes the next one. tiles: ((family, path), tiles) pairs that replace the table's tiles
+        (cuflash/_kernels.py) of those instances. o_store: "registers" makes the TMA forward write
+        O from registers.
+    """
+
+    path: str | None = None
+    tiles: tuple[tuple[tuple[str, str], tuple[int, ...]], ...] = ()
+    o_store: str = "tma"
+
+    def tiles_for(self, family: str, path: str) -> tuple[int, ...] | None:
+        return dict(self.tiles).get((family, path))
+
+
+DEFAULT = KernelChoice()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the instance, its grid, and its launch fields of Params."""
+
+    spec: KernelSpec
+    grid: int
+    num_blocks: int  # row blocks per head (slots, for the TMA forward)
+    vec: bool = False  # 16-byte copies (tile.cuh)
+    num_work: int = 0  # persistent kernels: work items
+    paired: bool = False  # persistent kernels: items taken in pairs (common.cuh, WorkWalk)
+    row_shift: int = 0  # TMA forward: rows of the first block before row 0
+    lanes_per_row: int = 32  # preprocess
+    maps: tuple[tuple[str, int], ...] = field(default=())  # TMA: (tensor, box rows), in order
+
+    def params_fields(self) -> dict[str, int]:
+        return {
+            "vec": int(self.vec),
+            "num_blocks": self.num_blocks,
+            "num_work": self.num_work,
+            "paired": int(self.paired),
+            "row_shift": self.row_shift,
+            "lanes_per_row": self.lanes_per_row,
+        }
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A family's launch for 16-byte aligned pointers, and the one for any pointers."""
+
+    aligned: Launch
+    unaligned: Launch
+
+
+@dataclass(frozen=True)
+class BackwardLaunches:
+    preprocess: Pair
+    dkdv: Pair
+    dq: Pair
+
+
+def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT) -> Pair:
+    """The forward's launches; `strides` holds q, k, v and o."""
+    vec = _chunked(p, strides, ("q", "k", "v", "o"))
+    table = _table_launch(p, "forward", arch, choice, vec)
+    unaligned = replace(table, vec=False)
+    if not (vec and "tma" in _allowed_paths(p, "forward", arch, choice)):
+        return Pair(table, unaligned)
+    if not _tma_readable(p, strides, ("q", "k", "v")):
+        return Pair(table, unaligned)
+    tiles = choice.tiles_for("forward", "tma") or _kernels.default_tiles(
+        "forward", "tma", p.dtype, p.head_dim, p.seq_q
+    )
+    bucket = _kernels.head_dim_bucket(p.head_dim)
+    # O through a staging tile and TMA stores where shared memory has room for the tile and d
+    # fills its bucket (the TMA unit would store partial boxes otherwise: forward_sm90_tma.cu).
+    o_via_tma = (
+        choice.o_store == "tma"
+        and bucket <= _kernels.TMA_STORE_MAX_HEAD_DIM
+        and p.head_dim == bucket
+        and _tma_readable(p, strides, ("o",))
+    )
+    spec = _kernels.instance("forward", "tma", p.dtype, p.head_dim, tiles, 0, o_via_tma)
+    # Row blocks get costlier along the sequence under a right bound (causal): pair heavy with
+    # light items, and put the partial block first, where it sees the fewest keys.
+    heavy_last = p.mask.bounded_right
+    slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=heavy_last)
+    work = slots * p.batch * p.heads_q
+    maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), ("v", spec.rows_per_step))
+    maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
+    aligned = Launch(
+        spec,
+        _persistent_grid(work, heavy_last, sm_count),
+        slots,
+        vec=True,
+        num_work=work,
+        paired=heavy_last,
+        row_shift=row_shift,
+        maps=maps,
+    )
+    return Pair(aligned, unaligned)
+
+
+def backward(
+    p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT
+) -> BackwardLaunches:
+    """The backward's launches; `strides` holds q, k, v, o, dout, lse, dq, dk and dv."""
+    # D = rowsum(dO * O): 16-byte chunks, as many lanes per row as the row has chunks (a power of
+    # two), where O and dO allow it; else a warp per row, element by element.
+    pre = _kernels.instance("preprocess", "rows", p.dtype, 0)
+    warps = pre.rows_per_block
+    scalar = Launch(pre, _ceil_div(p.rows_q, warps), 0)
+    if p.dtype in _kernels.TENSOR_CORE_DTYPES and _chunked(p, strides, ("o", "dout")):
+        chunks = _ceil_div(p.head_dim, _chunk(p))
+        lanes = 1 << max(0, math.ceil(math.log2(chunks)))
+        vectors = Launch(
+            pre, _ceil_div(p.rows_q, warps * (32 // lanes)), 0, True, lanes_per_row=lanes
+        )
+        preprocess = Pair(vectors, scalar)
+    else:
+        preprocess = Pair(scalar, scalar)
+
+    vec = _chunked(p, strides, ("q", "k", "v", "dout", "dq", "dk", "dv"))
+    dkdv = _table_launch(p, "dkdv", arch, choice, vec)
+    dq = _table_launch(p, "dq", arch, choice, vec)
+    unaligned = (replace(dkdv, vec=False), replace(dq, vec=False))
+    tma = (
+        vec
+        and "tma" in _allowed_paths(p, "dq", arch, choice)
+        and "tma" in _allowed_paths(p, "dkdv", arch, choice)
+        and _tma_readable(p, strides, ("q", "k", "v", "dout"))
+    )
+    if tma:
+        heavy_last = p.mask.bounded_right
+        launches = []
+        for family, heads, seq in (("dkdv", p.heads_kv, p.seq_k), ("dq", p.heads_q, p.seq_q)):
+            tiles = choice.tiles_for(family, "tma") or _kernels.default_tiles(
+                family, "tma", p.dtype, p.head_dim
+            )
+            spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles)
+            blocks = _ceil_div(seq, spec.rows_per_block)
+            work = blocks * p.batch * heads
+            launches.append(
+                Launch(
+                    spec,
+                    _persistent_grid(work, heavy_last, sm_count),
+                    blocks,
+                    vec=True,
+                    num_work=work,
+                    paired=heavy_last,
+                    maps=(("q", 64), ("k", 64), ("v", 64), ("dout", 64)),
+                )
+            )
+        dkdv, dq = launches
+    return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
+
+
+def row_slots(seq_q: int, rows_per_block: int, end_aligned: bool) -> tuple[int, int]:
+    """(slots per head, row_shift) of the TMA forward's work list (kernels_cu/forward_sm90_tma.cu):
+    slot b holds the query rows [b * rows_per_block - row_shift, (b + 1) * rows_per_block -
+    row_shift), and a slot whose rows are all negative is empty.
+
+    Start-aligned (row_shift 0) the last block is the partial one; under causal masking it runs
+    every key tile for its few real rows (at N = 4096 and 192-row blocks, a third of the work of
+    the head's heaviest block for 64 rows). End-aligned, the partial block is the first, which
+    sees the fewest keys; an odd block count gets an empty slot 0 so that the kernel's
+    heavy-with-light pairs (decode_paired_work) stay within one head. End alignment measured
+    +5-9% on the d = 64 causal forward at 4k-8k (docs/perf/NOTES.md, v8)."""
+    blocks = _ceil_div(seq_q, rows_per_block)
+    if not end_aligned:
+        return blocks, 0
+    slots = blocks + (blocks & 1)
+    return slots, slots * rows_per_block - seq_q
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk(p: Problem) -> int:
+    """Elements in 16 bytes: the unit of the kernels' vectorised tile copies."""
+    return 16 // _kernels.ITEMSIZE[p.dtype]
+
+
+def _chunked(p: Problem, strides: Strides, names: tuple[str, ...]) -> bool:
+    """Whether d and these tensors' strides are whole 16-byte chunks (the pointers are checked
+    per call)."""
+    chunk = _chunk(p)
+    return p.head_dim % chunk == 0 and all(s % chunk == 0 for n in names for s in strides[n])
+
+
+def _tma_readable(p: Problem, strides: Strides, names: tuple[str, ...]) -> bool:
+    """Whether the TMA unit can address these q/k/v-shaped tensors (cuflash/_tma.py)."""
+    itemsize = _kernels.ITEMSIZE[p.dtype]
+    for name in names:
+        seq, heads = p.extent(name)
+        sb, sh, ss = strides[name]
+        if _tma.tma_strides((p.head_dim, seq, heads, p.batch), (ss, sh, sb), itemsize) is None:
+            return False
+    return True
+
+
+def _allowed_paths(p: Problem, family: str, arch: str, choice: KernelChoice) -> tuple[str, ...]:
+    """The paths of `family` for this call, fastest first, none faster than choice.path."""
+    paths = _kernels.paths(family, p.dtype, p.head_dim, arch)
+    if choice.path is None or choice.path not in _kernels.TENSOR_CORE_PATHS:
+        return paths
+    rank = _kernels.TENSOR_CORE_PATHS.index(choice.path)
+    slower = tuple(q for q in paths if q not in _kernels.TENSOR_CORE_PATHS[:rank])
+    return slower or paths
+
+
+def _table_launch(p: Problem, family: str, arch: str, choice: KernelChoice, vec: bool) -> Launch:
+    """The launch of the first path that reads any strides: a block per row block of every head
+    (query rows for forward and dq, keys for dkdv)."""
+    path = next(q for q in _allowed_paths(p, family, arch, choice) if q != "tma")
+    spec = _kernels.instance(family, path, p.dtype, p.head_dim, choice.tiles_for(family, path))
+    seq, heads = (p.seq_k, p.heads_kv) if family == "dkdv" else (p.seq_q, p.heads_q)
+    blocks = _ceil_div(seq, spec.rows_per_block)
+    return Launch(spec, blocks * p.batch * heads, blocks, vec)
+
+
+def _persistent_grid(work: int, paired: bool, sm_count: int) -> int:
+    """A block per SM; paired work goes in pairs of items per block (common.cuh, WorkWalk)."""
+    return max(1, min(_ceil_div(work, 2 if paired else 1), sm_count))

@@ -1,0 +1,121 @@
+"""The host's mirror of kernels_cu/params.cuh: the one argument of every kernel.
+
+``Params`` is a ctypes structure laid out as the C++ struct is (natural alignment, the same field
+order). ``layout_asserts()`` states that layout as C++ static_asserts, which every compiled source
+ends with (cuflash/_kernels.py, compiled_source), so that the two cannot drift: a field added on
+one side only fails every compile, and tests/test_params.py checks it with nvcc on the CPU.
+
+A plan fills one Params per launch once (``fill``); a call copies it and patches in its pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+from ._problem import Problem
+
+_i64, _i32, _f64, _f32, _ptr = (
+    ctypes.c_int64,
+    ctypes.c_int32,
+    ctypes.c_double,
+    ctypes.c_float,
+    ctypes.c_uint64,
+)
+
+
+class TensorRef(ctypes.Structure):
+    """One (batch, head, sequence[, dim]) tensor: address and element strides."""
+
+    _fields_ = [("ptr", _ptr), ("batch", _i64), ("head", _i64), ("seq", _i64)]
+
+
+TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "delta")
+
+
+class Params(ctypes.Structure):
+    _fields_ = [(name, TensorRef) for name in TENSORS] + [
+        ("alibi_slopes", _ptr),
+        ("alibi_batch_stride", _i64),
+        ("cu_seqlens_q", _ptr),
+        ("cu_seqlens_k", _ptr),
+        ("seqused_k", _ptr),
+        ("scale", _f64),
+        ("softcap", _f64),
+        ("batch", _i32),
+        ("heads_q", _i32),
+        ("heads_kv", _i32),
+        ("group", _i32),
+        ("seq_q", _i32),
+        ("seq_k", _i32),
+        ("head_dim", _i32),
+        ("window_left", _i32),
+        ("window_right", _i32),
+        ("p_shift", _f32),
+        ("vec", _i32),
+        ("num_blocks", _i32),
+        ("row_shift", _i32),
+        ("paired", _i32),
+        ("lanes_per_row", _i32),
+        ("num_work", _i64),
+        ("rows", _i64),
+    ]
+
+
+def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) -> Params:
+    """The Params of one launch of problem `p`: the (batch, head, row) element strides of the
+    tensors it touches, every size and option of the problem, and the launch's own fields
+    (cuflash/_dispatch.py, Launch.params_fields). Pointers are left 0: each call patches in its
+    own (``with_pointers``)."""
+    params = Params()
+    for name, (sb, sh, ss) in strides.items():
+        ref = getattr(params, name)
+        ref.batch, ref.head, ref.seq = sb, sh, ss
+    mask = p.mask
+    params.scale = p.scale
+    params.batch, params.heads_q, params.heads_kv, params.group = (
+        p.batch,
+        p.heads_q,
+        p.heads_kv,
+        p.group,
+    )
+    params.seq_q, params.seq_k, params.head_dim = p.seq_q, p.seq_k, p.head_dim
+    params.window_left, params.window_right = mask.left, mask.right
+    params.rows = p.rows_q
+    # The forward scales P by 2^-p_shift (kernels_cu/softmax.cuh): bfloat16 V can reach float32's
+    # range, where sum_j P_j V_j could overflow; float16 V cannot.
+    if p.dtype == "bfloat16" and p.seq_k > 1:
+        params.p_shift = math.ceil(math.log2(p.seq_k))
+    for name, value in launch.items():
+        setattr(params, name, value)
+    return params
+
+
+def with_pointers(template: Params, pointers: dict[str, int]) -> Params:
+    """A copy of `template` holding these tensors' addresses (a fresh struct per call, so that
+    threads sharing a plan never share an argument)."""
+    params = Params.from_buffer_copy(template)
+    for name, ptr in pointers.items():
+        getattr(params, name).ptr = ptr
+    return params
+
+
+def layout_asserts() -> str:
+    """C++ static_asserts of Params' size and of every field's offset, from this mirror."""
+    lines = [
+        "// The host's mirror of Params (cuflash/_params.py): any difference fails to compile.",
+        f"static_assert(sizeof(cuflash::TensorRef) == {ctypes.sizeof(TensorRef)}, "
+        '"TensorRef size (cuflash/_params.py)");',
+        f"static_assert(sizeof(cuflash::Params) == {ctypes.sizeof(Params)}, "
+        '"Params size (cuflash/_params.py)");',
+    ]
+    for struct, fields in (("TensorRef", TensorRef._fields_), ("Params", Params._fields_)):
+        cls = TensorRef if struct == "TensorRef" else Params
+        for name, _ in fields:
+            offset = getattr(cls, name).offset
+            lines.append(
+                f"static_assert(__builtin_offsetof(cuflash::{struct}, {name}) == {offset}, "
+                f'"{struct}::{name} offset (cuflash/_params.py)");'
+            )
+    return "\n".join(lines) + "\n"

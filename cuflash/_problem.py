@@ -1,0 +1,93 @@
+"""The description of one validated attention call: sizes, dtype, layout, mask, scale, device.
+
+Everything downstream (the dispatch, the plans, the CPU backend) reads the call from here; the
+arrays themselves travel beside it as ArrayInfo (cuflash/_interop.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _mask
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The validated shape of one attention call."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    layout: str  # "bshd" or "bhsd" ("bshd" for 2-D input)
+    two_d: bool
+    window: tuple[int | None, int | None]  # (left, right) around the bottom-right diagonal
+    scale: float
+    device: tuple[str, int]
+    library: str
+
+    @property
+    def mask(self) -> _mask.Mask:
+        """Who sees whom (cuflash/_mask.py, the host's mirror of kernels_cu/mask.cuh)."""
+        return _mask.Mask.of(self.seq_q, self.seq_k, self.window)
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads_q // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def lse_dtype(self) -> str:
+        """float32, or float64 for float64 inputs (the exact path keeps full precision)."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    def shape(self, seq: int, heads: int) -> tuple[int, ...]:
+        if self.two_d:
+            return (seq, self.head_dim)
+        if self.layout == "bshd":
+            return (self.batch, seq, heads, self.head_dim)
+        return (self.batch, heads, seq, self.head_dim)
+
+    def extent(self, tensor: str) -> tuple[int, int]:
+        """(rows, heads) of a tensor of the call: q, o, dout and dq have the query rows and heads,
+        k, v, dk and dv the keys and key/value heads."""
+        if tensor in ("k", "v", "dk", "dv"):
+            return self.seq_k, self.heads_kv
+        return self.seq_q, self.heads_q
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        return self.shape(self.seq_q, self.heads_q)
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        return self.shape(self.seq_k, self.heads_kv)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.seq_q,) if self.two_d else (self.batch, self.heads_q, self.seq_q)
+
+    @property
+    def rows_q(self) -> int:
+        """Query rows of every head: B * Hq * Nq."""
+        return self.batch * self.heads_q * self.seq_q
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a kernel has anything to compute (some query row and some key)."""
+        return self.rows_q > 0 and self.batch * self.heads_kv * self.seq_k > 0
+
+    def bhs_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
+        """(batch, head, sequence) strides of a q/k/v-shaped array in this problem's layout."""
+        if self.two_d:
+            return (0, 0, strides[0])
+        if self.layout == "bshd":
+            return (strides[0], strides[2], strides[1])
+        return (strides[0], strides[1], strides[2])
+
+    def lse_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
+        """(batch, head, row) strides of an lse-shaped array."""
+        return (0, 0, strides[0]) if self.two_d else (strides[0], strides[1], strides[2])

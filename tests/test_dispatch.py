@@ -1,0 +1,126 @@
+"""The one dispatch point (cuflash/_dispatch.py), on the CPU: which kernels a call gets on each
+architecture for aligned and unaligned arrays, the persistent kernels' work lists, and the
+explicit choices that tests and benchmarks make."""
+
+from __future__ import annotations
+
+import pytest
+from test_params import problem
+
+from cuflash import _dispatch
+from cuflash._dispatch import KernelChoice
+
+
+def strides_of(p, pad: int = 0) -> dict:
+    """Contiguous bshd strides for every tensor of p (each row padded by `pad` elements)."""
+    d = p.head_dim + pad
+    q = (p.seq_q * p.heads_q * d, d, p.heads_q * d)
+    kv = (p.seq_k * p.heads_kv * d, d, p.heads_kv * d)
+    lse = (p.heads_q * p.seq_q, p.seq_q, 1)
+    return {
+        "q": q,
+        "o": q,
+        "dout": q,
+        "dq": q,
+        "k": kv,
+        "v": kv,
+        "dk": kv,
+        "dv": kv,
+        "lse": lse,
+        "delta": lse,
+    }
+
+
+def test_forward_paths_by_architecture_and_strides():
+    p = problem(head_dim=128, window=(None, None))
+    pair = _dispatch.forward(p, strides_of(p), "sm_90a", 132)
+    assert pair.aligned.spec.path == "tma" and pair.aligned.vec
+    assert pair.unaligned.spec.path == "wgmma" and not pair.unaligned.vec
+    assert pair.aligned.spec.o_via_tma  # d = 128 fills its bucket: O through TMA stores
+    assert [name for name, _ in pair.aligned.maps] == ["q", "k", "v", "o"]
+    # rows of 129 elements: no 16-byte chunks, no TMA, wgmma for any pointers
+    odd = _dispatch.forward(p, strides_of(p, pad=1), "sm_90a", 132)
+    assert odd.aligned.spec.path == odd.unaligned.spec.path == "wgmma" and not odd.aligned.vec
+    # sm_80: mma.sync, 16-byte copies where the pointers allow them
+    ampere = _dispatch.forward(p, strides_of(p), "sm_80", 108)
+    assert ampere.aligned.spec.path == ampere.unaligned.spec.path == "mma"
+    assert ampere.aligned.vec and not ampere.unaligned.vec
+    # float32: the exact path everywhere
+    exact = problem(dtype="float32", head_dim=128)
+    assert _dispatch.forward(exact, strides_of(exact), "sm_90a", 132).aligned.spec.path == "exact"
+    # d = 120 takes the TMA forward of bucket 128, writing O from registers (partial boxes)
+    short = problem(head_dim=120)
+    pair = _dispatch.forward(short, strides_of(short), "sm_90a", 132)
+    assert pair.aligned.spec.path == "tma" and not pair.aligned.spec.o_via_tma
+    assert [name for name, _ in pair.aligned.maps] == ["q", "k", "v", "q"]  # q stands in for o
+
+
+def test_forward_work_list():
+    for window, paired in (((None, None), False), ((None, 0), True)):
+        p = problem(seq_q=1000, seq_k=1000, head_dim=64, window=window)
+        launch = _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned
+        bm = launch.spec.rows_per_block
+        slots, shift = _dispatch.row_slots(1000, bm, end_aligned=paired)
+        assert (launch.num_blocks, launch.row_shift, launch.paired) == (slots, shift, paired)
+        assert launch.num_work == slots * p.batch * p.heads_q
+        assert launch.grid == min(-(-launch.num_work // (2 if paired else 1)), 132)
+    # long sequences take the taller tiles at d = 64
+    p = problem(seq_q=4096, seq_k=4096, head_dim=64)
+    assert _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec.rows_per_block == 192
+
+
+def test_backward_launches():
+    p = problem(head_dim=64)
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+    assert chosen.dkdv.aligned.spec.path == chosen.dq.aligned.spec.path == "tma"
+    assert chosen.dkdv.unaligned.spec.path == chosen.dq.unaligned.spec.path == "wgmma"
+    assert chosen.dkdv.aligned.num_blocks == -(-p.seq_k // chosen.dkdv.aligned.spec.rows_per_block)
+    assert chosen.dkdv.aligned.paired  # causal
+    # D = rowsum(dO * O): 8 lanes of 16-byte chunks per row at d = 64, a warp per row otherwise
+    assert chosen.preprocess.aligned.lanes_per_row == 8 and chosen.preprocess.aligned.vec
+    assert chosen.preprocess.unaligned.lanes_per_row == 32
+    assert chosen.preprocess.aligned.grid == -(-p.rows_q // (8 * 4))
+    # d = 256 backward: TMA kernels aligned, mma.sync otherwise (no wgmma instance)
+    wide = problem(head_dim=256)
+    chosen = _dispatch.backward(wide, strides_of(wide), "sm_90a", 132)
+    assert (chosen.dq.aligned.spec.path, chosen.dq.unaligned.spec.path) == ("tma", "mma")
+
+
+def test_explicit_choices():
+    p = problem(head_dim=64, seq_q=4096, seq_k=4096)
+    strides = strides_of(p)
+    # the fastest path allowed; a family without it takes the next one
+    pair = _dispatch.forward(p, strides, "sm_90a", 132, KernelChoice(path="wgmma"))
+    assert pair.aligned.spec.path == pair.unaligned.spec.path == "wgmma"
+    pair = _dispatch.forward(p, strides, "sm_90a", 132, KernelChoice(path="mma"))
+    assert pair.aligned.spec.path == "mma"
+    wide = problem(head_dim=256)
+    chosen = _dispatch.backward(wide, strides_of(wide), "sm_90a", 132, KernelChoice(path="wgmma"))
+    assert chosen.dq.aligned.spec.path == "mma"
+    # tiles of one (family, path)
+    tiles = KernelChoice(tiles=((("forward", "tma"), (128, 128, 2)),))
+    assert _dispatch.forward(p, strides, "sm_90a", 132, tiles).aligned.spec.rows_per_block == 128
+    # O from registers
+    pair = _dispatch.forward(p, strides, "sm_90a", 132, KernelChoice(o_store="registers"))
+    assert pair.aligned.spec.path == "tma" and not pair.aligned.spec.o_via_tma
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_every_chosen_instance_is_compile_checked(dtype):
+    from cuflash import _kernels
+
+    for arch in ("sm_80", "sm_90a"):
+        checked = {s.name_expression for s in _kernels.all_specs(arch)}
+        for d in (8, 40, 64, 100, 128, 200, 256):
+            for seq in (100, 4096):
+                for window in ((None, None), (None, 0)):
+                    p = problem(dtype=dtype, head_dim=d, seq_q=seq, seq_k=seq, window=window)
+                    for pad in (0, 1):
+                        strides = strides_of(p, pad)
+                        pair = _dispatch.forward(p, strides, arch, 132)
+                        chosen = _dispatch.backward(p, strides, arch, 132)
+                        launches = [pair.aligned, pair.unaligned]
+                        for fam in (chosen.preprocess, chosen.dkdv, chosen.dq):
+                            launches += [fam.aligned, fam.unaligned]
+                        for launch in launches:
+                            assert launch.spec.name_expression in checked, launch.spec
