@@ -2,13 +2,15 @@
 
     python bench/bench_attention.py [--quick] [--dtype bfloat16 float16] [--head-dim 64 128 256]
         [--seq 512 1024 ...] [--causal both|yes|no] [--peers flash cudnn efficient naive]
-        [--no-gqa] [--no-memory] [--no-overhead] [--out DIR]
+        [--baseline DIR] [--no-gqa] [--no-memory] [--no-overhead] [--out DIR]
 
 Peers: PyTorch SDPA's flash (FlashAttention-2), cuDNN and memory-efficient backends, and a naive
-CuPy attention (S = Q K^T materialised). The grid follows the FlashAttention papers: B = 16384 / N,
-Hq = 2048 / d, so every point has 16k tokens and a model width of 2048; plus grouped heads
-(Hq = 32, Hkv = 8) at d = 128. FLOPs: forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x
-the forward. Each time is the median of many runs after warm-up, timed with CUDA events on
+CuPy attention (S = Q K^T materialised). --baseline DIR adds the peer "baseline": the cuflash of
+another checkout (DIR holds its cuflash/ and kernels_cu/, e.g. `git worktree add DIR <commit>`),
+imported beside this one, so that two versions are timed in the same rounds on the same inputs.
+The grid follows the FlashAttention papers: B = 16384 / N, Hq = 2048 / d, so every point has 16k
+tokens and a model width of 2048; plus grouped heads (Hq = 32, Hkv = 8) at d = 128. FLOPs:
+forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x the forward. Each time is the median of many runs after warm-up, timed with CUDA events on
 repetitions queued back to back (device time; --sync-each-rep for the method up to v7). The
 points of one shape (every method, causal and not) are timed in interleaved rounds on the same
 inputs (--rounds), so that their ratios are measured side by side.
@@ -37,7 +39,23 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cuflash  # noqa: E402
 
-METHODS = ("cuflash", "flash", "cudnn", "efficient", "naive")
+METHODS = ("cuflash", "baseline", "flash", "cudnn", "efficient", "naive")
+SLOWER = 0.97  # a point where cuflash runs under this fraction of the baseline is listed
+_baseline = None  # the cuflash of --baseline, imported as cuflash_baseline
+
+
+def load_baseline(root: str):
+    """The cuflash package of the checkout at `root`, as the module cuflash_baseline."""
+    import importlib.util
+
+    package = Path(root).resolve() / "cuflash"
+    spec = importlib.util.spec_from_file_location(
+        "cuflash_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cuflash_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass
@@ -99,7 +117,7 @@ def time_ms(
     event fires when the previous one's work ends, so the host's cost of the next call overlaps
     the device's work and each time is the device time of one call (as Triton's do_bench
     measures). With sync_each_rep every repetition is waited for before the next is launched
-    (the method up to v7, bench/NOTES.md v8): each time then also holds the host's launch
+    (the method up to v7, docs/perf/NOTES.md v8): each time then also holds the host's launch
     latency of that call while the GPU waits, some 20-30 us, a few percent of a 0.5 ms kernel.
     The number of repetitions reaches min_reps and about min_time_ms (at most 1000)."""
     for _ in range(warmup):
@@ -181,22 +199,23 @@ def method_jobs(p: Point, method: str, q, k, v, do, scale: float, args) -> list[
     """The timed calls of `method` at point p (forward, and backward where it has one), each run
     once here so that a peer that does not support the case fails before the timing starts."""
     gqa = p.heads_q != p.heads_kv
-    if method == "cuflash":
+    if method in ("cuflash", "baseline"):
+        lib = cuflash if method == "cuflash" else _baseline
         qd, kd, vd = q.detach(), k.detach(), v.detach()
-        o, lse = cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd")
-        cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd")
+        o, lse = lib.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd")
+        lib.attention_backward(do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd")
         return [
             Job(
                 p,
                 method,
                 "fwd",
-                lambda: cuflash.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd"),
+                lambda: lib.attention_forward(qd, kd, vd, causal=p.causal, layout="bhsd"),
             ),
             Job(
                 p,
                 method,
                 "bwd",
-                lambda: cuflash.attention_backward(
+                lambda: lib.attention_backward(
                     do, qd, kd, vd, o, lse, causal=p.causal, layout="bhsd"
                 ),
             ),
@@ -242,7 +261,7 @@ def bench_config(points: list[Point], methods: list[str], args) -> None:
     once, in alternating order, and each time is the median of all repetitions of all rounds.
     Compared quantities (cuflash against a peer, causal against non-causal) are thus measured
     side by side within a few seconds, so a slow drift of the GPU's clock between points (it
-    runs at its power limit) does not enter their ratios (bench/NOTES.md, v9)."""
+    runs at its power limit) does not enter their ratios (docs/perf/NOTES.md, v9)."""
     p0 = points[0]
     scale = 1.0 / math.sqrt(p0.head_dim)
     q, k, v = make_inputs(p0, requires_grad=True)
@@ -309,6 +328,8 @@ def host_overhead(calls: int = 1000) -> dict[str, float]:
         return (time.perf_counter() - start) / calls * 1e6
 
     result["cuflash"] = run(lambda: cuflash.attention_forward(q, k, v, layout="bhsd"))
+    if _baseline is not None:
+        result["baseline"] = run(lambda: _baseline.attention_forward(q, k, v, layout="bhsd"))
     from torch.nn.attention import SDPBackend
 
     with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -391,6 +412,28 @@ def format_table(points: list[Point], methods: list[str]) -> str:
                 f"{p.label:54s} {ours or 0:8.1f} " + " ".join(cells) + "   " + " ".join(ratios)
             )
         lines.append("")
+    if "baseline" in peers:
+        lines.append(baseline_summary(points))
+    return "\n".join(lines)
+
+
+def baseline_summary(points: list[Point]) -> str:
+    """cuflash against --baseline: the range of the ratios and the points under SLOWER."""
+    lines = []
+    for which in ("fwd", "bwd"):
+        ratios = [
+            (ours / theirs, p.label)
+            for p in points
+            if (ours := p.tflops("cuflash", which)) and (theirs := p.tflops("baseline", which))
+        ]
+        if not ratios:
+            continue
+        low = sorted(r for r in ratios if r[0] < SLOWER)
+        lines.append(
+            f"{which} x baseline: {min(r for r, _ in ratios):.3f}-{max(r for r, _ in ratios):.3f} "
+            f"over {len(ratios)} points; under {SLOWER}: {len(low)}"
+        )
+        lines += [f"  {r:.3f} {label}" for r, label in low]
     return "\n".join(lines)
 
 
@@ -431,13 +474,20 @@ def plot(points: list[Point], methods: list[str], path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    global _baseline
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small grid in under two minutes")
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"])
-    parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128, 256])
-    parser.add_argument("--seq", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid in under two minutes (bf16, d 64 and 128, N 1k and 4k, the SDPA flash "
+        "and cuDNN peers), where --dtype, --head-dim and --seq do not say otherwise",
+    )
+    parser.add_argument("--dtype", nargs="+")
+    parser.add_argument("--head-dim", nargs="+", type=int)
+    parser.add_argument("--seq", nargs="+", type=int)
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--peers", nargs="+", default=["flash", "cudnn", "efficient", "naive"])
+    parser.add_argument("--baseline", help="a checkout whose cuflash is timed as a peer")
     parser.add_argument("--no-gqa", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-overhead", action="store_true")
@@ -462,11 +512,21 @@ def main(argv=None) -> int:
     parser.add_argument("--naive-limit-gb", type=float, default=16.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
+    grid_default = (
+        (["bfloat16"], [64, 128], [1024, 4096])
+        if args.quick
+        else (["bfloat16", "float16"], [64, 128, 256], [512, 1024, 2048, 4096, 8192, 16384])
+    )
+    args.dtype = args.dtype or grid_default[0]
+    args.head_dim = args.head_dim or grid_default[1]
+    args.seq = args.seq or grid_default[2]
     if args.quick:
-        args.dtype, args.head_dim, args.seq = ["bfloat16"], [64, 128], [1024, 4096]
         args.peers = [p for p in args.peers if p in ("flash", "cudnn")]
         args.no_memory = True
         args.min_time_ms, args.reps = 30.0, 5
+    if args.baseline:
+        _baseline = load_baseline(args.baseline)
+        args.peers = ["baseline"] + [p for p in args.peers if p != "baseline"]
     args.causal_values = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     methods = ["cuflash"] + [m for m in args.peers if m in METHODS and m != "cuflash"]
     out = Path(args.out)
@@ -495,6 +555,7 @@ def main(argv=None) -> int:
         "device": device,
         "torch": torch.__version__,
         "cuflash": cuflash.__version__,
+        "baseline": args.baseline,
         "seconds": time.time() - start,
         "timing": "sync-each-rep" if args.sync_each_rep else "back-to-back",
         "rounds": args.rounds,
