@@ -17,17 +17,42 @@ import cuflash
 from cuflash import testing
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _head_dim(text: str) -> int:
+    value = _positive(text)
+    if value > 256:
+        raise argparse.ArgumentTypeError(f"head dims run from 1 to 256, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped)")
-    parser.add_argument("--seq", type=int, default=777)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default=None, help="default: float16 on the GPU, float32 on CPU")
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=_positive, default=2)
+    parser.add_argument("--heads", type=_positive, default=8, help="query heads")
+    parser.add_argument(
+        "--kv-heads", type=_positive, default=2, help="key/value heads (grouped; divides --heads)"
+    )
+    parser.add_argument("--seq", type=_positive, default=777)
+    parser.add_argument("--head-dim", type=_head_dim, default=64)
+    parser.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32", "float64"),
+        help="default: float16 on the GPU, float32 on the CPU",
+    )
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cpu", action="store_true", help="use the CPU backend even with a GPU")
     args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
 
     reason = "--cpu given" if args.cpu else testing.gpu_unavailable_reason()
     on_gpu = reason is None
@@ -35,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     if dtype == "bfloat16" and on_gpu:
         print("bfloat16 demo inputs need PyTorch or JAX; using float16 on CuPy", file=sys.stderr)
         dtype = "float16"
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--dtype bfloat16 on the CPU backend needs NumPy's bfloat16 from the "
+                "ml_dtypes package: pip install ml_dtypes"
+            )
     rng = np.random.default_rng()
     b, h, hkv, n, d = args.batch, args.heads, args.kv_heads, args.seq, args.head_dim
     host = [
