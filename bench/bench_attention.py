@@ -10,10 +10,11 @@ another checkout (DIR holds its cuflash/ and kernels_cu/, e.g. `git worktree add
 imported beside this one, so that two versions are timed in the same rounds on the same inputs.
 The grid follows the FlashAttention papers: B = 16384 / N, Hq = 2048 / d, so every point has 16k
 tokens and a model width of 2048; plus grouped heads (Hq = 32, Hkv = 8) at d = 128. FLOPs:
-forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x the forward. Each time is the median of many runs after warm-up, timed with CUDA events on
-repetitions queued back to back (device time; --sync-each-rep for the method up to v7). The
-points of one shape (every method, causal and not) are timed in interleaved rounds on the same
-inputs (--rounds), so that their ratios are measured side by side.
+forward 4 B Hq Nq Nk d, halved for causal; backward 2.5x the forward. Each time is the median of
+many runs after warm-up, timed with CUDA events on repetitions queued back to back (device time;
+--sync-each-rep for the method up to v7). The points of one shape (every method, causal and not)
+are timed in interleaved rounds on the same inputs (--rounds), so that their ratios are measured
+side by side.
 
 Writes bench_results.json, bench_table.txt and bench_plot.png (TFLOP/s against N) to --out, and
 prints the table last.
