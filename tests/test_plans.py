@@ -51,7 +51,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_compile, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(_compile, "sm_count", lambda device: 132)
     monkeypatch.setattr(_cuda, "CudaAllocator", FakeAllocator)
-    monkeypatch.setattr(_cuda, "stream_getter", lambda library: (lambda device: 7))
+    monkeypatch.setattr(_cuda, "stream_getter", lambda library: lambda device: 7)
     monkeypatch.setattr(_tma, "_encode_fn", _fake_encoder(0))
 
     def launch(loaded, grid, device, stream, *args):
@@ -75,8 +75,19 @@ def info(name, shape, ptr, dtype="bfloat16"):
 
 def problem(causal=True, d=64, dtype="bfloat16", seq_q=300, seq_k=500):
     return Problem(
-        2, 4, 2, seq_q, seq_k, d, dtype, "bshd", False, (None, 0) if causal else (None, None),
-        0.125, ("cuda", 0), "cupy",
+        2,
+        4,
+        2,
+        seq_q,
+        seq_k,
+        d,
+        dtype,
+        "bshd",
+        False,
+        (None, 0) if causal else (None, None),
+        0.125,
+        ("cuda", 0),
+        "cupy",
     )
 
 
@@ -87,7 +98,7 @@ def test_forward_plan_launches(fakes):
     plan = _cuda.ForwardPlan(p, qi, ki, vi)
     assert plan.runs.aligned.launch.spec.path == "tma"
     o, lse = plan(qi.ptr, ki.ptr, vi.ptr)
-    (spec, grid, params, maps), = fakes
+    ((spec, grid, params, maps),) = fakes
     assert spec.path == "tma" and spec.o_via_tma and grid <= 132
     assert (params.q.ptr, params.k.ptr, params.v.ptr) == (qi.ptr, ki.ptr, vi.ptr)
     assert (params.o.ptr, params.lse.ptr) == (o.ptr, lse.ptr)
@@ -116,8 +127,13 @@ def test_forward_plan_without_keys_fills_and_launches_nothing(fakes):
 
 def test_backward_plan_launches(fakes):
     p = problem(d=128)
-    shapes = {"do": (2, 300, 4, 128), "q": (2, 300, 4, 128), "k": (2, 500, 2, 128),
-              "v": (2, 500, 2, 128), "o": (2, 300, 4, 128)}
+    shapes = {
+        "do": (2, 300, 4, 128),
+        "q": (2, 300, 4, 128),
+        "k": (2, 500, 2, 128),
+        "v": (2, 500, 2, 128),
+        "o": (2, 300, 4, 128),
+    }
     infos = [info(n, s, (i + 1) << 30) for i, (n, s) in enumerate(shapes.items())]
     lsei = info("lse", (2, 4, 300), 9 << 30, "float32")
     plan = _cuda.BackwardPlan(p, *infos, lsei, KernelChoice())
