@@ -102,20 +102,23 @@ def with_pointers(template: Params, pointers: dict[str, int]) -> Params:
 
 
 def layout_asserts() -> str:
-    """C++ static_asserts of Params' size and of every field's offset, from this mirror."""
+    """C++ static_asserts of Params' size and of every field's offset, from this mirror. The
+    offsets need __builtin_offsetof, which nvcc has (the compile check, tests/test_params.py) and
+    NVRTC 13.0 (CuPy's runtime compiler) does not: there, the size alone is checked."""
     lines = [
         "// The host's mirror of Params (cuflash/_params.py): any difference fails to compile.",
         f"static_assert(sizeof(cuflash::TensorRef) == {ctypes.sizeof(TensorRef)}, "
         '"TensorRef size (cuflash/_params.py)");',
         f"static_assert(sizeof(cuflash::Params) == {ctypes.sizeof(Params)}, "
         '"Params size (cuflash/_params.py)");',
+        "#ifndef __CUDACC_RTC__",
     ]
-    for struct, fields in (("TensorRef", TensorRef._fields_), ("Params", Params._fields_)):
-        cls = TensorRef if struct == "TensorRef" else Params
-        for name, _ in fields:
+    for struct, cls in (("TensorRef", TensorRef), ("Params", Params)):
+        for name, _ in cls._fields_:
             offset = getattr(cls, name).offset
             lines.append(
                 f"static_assert(__builtin_offsetof(cuflash::{struct}, {name}) == {offset}, "
                 f'"{struct}::{name} offset (cuflash/_params.py)");'
             )
+    lines.append("#endif")
     return "\n".join(lines) + "\n"

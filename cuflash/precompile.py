@@ -10,6 +10,7 @@ each instance's compile time.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = selected(_compile.device_arch(0), args.dtype, args.head_dim)
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    # spawned workers: this process has initialised CUDA (device_arch), which forked ones inherit
+    # in a state they cannot use
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
         times = list(pool.map(_compile_one, work))
     for name, seconds in sorted(times, key=lambda t: -t[1]):
         print(f"{seconds:6.2f} s  {name}")
