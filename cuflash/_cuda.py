@@ -13,7 +13,7 @@ stream otherwise) and never synchronise the host.
 
 from __future__ import annotations
 
-import ctypes
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -25,47 +25,56 @@ from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, CudaAllocator, stream_getter
 from ._problem import Problem
 
+# The tensors whose pointers a call hands to its launches, in this order.
+FORWARD_TENSORS = ("q", "k", "v", "o", "lse")
+BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
+
 
 class Run:
     """One Launch made ready on a device: its compiled kernel, its Params, its tensor maps.
 
-    `addresses` holds a 16-byte aligned address per mapped tensor, for the maps' templates (each
-    call patches in its own pointers)."""
+    A call passes the pointers of `tensors`, in that order. `template_address`, 16-byte aligned,
+    stands in for every mapped tensor's address in the maps' templates (each call patches in its
+    own pointers)."""
 
     def __init__(
         self,
         launch: _dispatch.Launch,
         p: Problem,
         strides: _dispatch.Strides,
-        addresses: dict[str, int],
+        tensors: tuple[str, ...],
+        template_address: int,
         device: int,
     ) -> None:
-        self.launch, self.device = launch, device
+        self.launch, self.device, self.tensors = launch, device, tensors
         self.template = _params.fill(p, strides, **launch.params_fields())
         itemsize = _kernels.ITEMSIZE[p.dtype]
-        self.maps = [
+        # (index of its pointer in a call's, map) of each mapped tensor, in the kernel's order
+        self.maps = tuple(
             (
-                name,
+                tensors.index(name),
                 _tma.tile_map(
                     (p.head_dim, *p.extent(name), p.batch),
                     strides[name],
                     itemsize,
                     rows,
-                    addresses[name],
+                    template_address,
                 ),
             )
             for name, rows in launch.maps
-        ]
+        )
         self.loaded = _compile.load(launch.spec, device)
+        self._threads = threading.local()  # each thread's argument block (_params.Arguments)
 
-    def __call__(self, stream: int, pointers: dict[str, int]) -> None:
-        params = _params.with_pointers(self.template, pointers)
-        if not self.maps:
-            _launch.launch(self.loaded, self.launch.grid, self.device, stream, params)
-            return
-        blob = b"".join(m.bytes_for(pointers[name]) for name, m in self.maps)
-        maps = (ctypes.c_char * len(blob)).from_buffer_copy(blob)
-        _launch.launch(self.loaded, self.launch.grid, self.device, stream, maps, params)
+    def __call__(self, stream: int, pointers: tuple[int, ...]) -> None:
+        args = getattr(self._threads, "args", None)
+        if args is None:
+            args = _params.Arguments(self.template, self.tensors, len(self.maps))
+            self._threads.args = args
+        args.set_pointers(pointers)
+        for index, (slot, tensor_map) in enumerate(self.maps):
+            args.set_map(index, tensor_map.bytes_for(pointers[slot]))
+        _launch.launch(self.loaded, self.launch.grid, self.device, stream, args.address)
 
 
 class Runs:
@@ -87,6 +96,7 @@ class Runs:
 def _ready(
     p: Problem,
     strides: _dispatch.Strides,
+    tensors: tuple[str, ...],
     template_ptr: int,
     device: int,
     dispatch: Callable[[_dispatch.KernelChoice], Any],
@@ -94,11 +104,9 @@ def _ready(
 ) -> Any:
     """The dispatch's launches made ready: dispatch(choice) -> Pair or BackwardLaunches. Should
     the driver refuse a tensor map that the strides allow, the launches without TMA serve."""
-    names = ("q", "k", "v", "o", "dout")
-    addresses = dict.fromkeys(names, template_ptr & ~15 or 16)
 
     def make(launch: _dispatch.Launch) -> Run:
-        return Run(launch, p, strides, addresses, device)
+        return Run(launch, p, strides, tensors, template_ptr & ~15 or 16, device)
 
     chosen = dispatch(choice)
     try:
@@ -161,6 +169,7 @@ class ForwardPlan:
         self.runs = _ready(
             p,
             strides,
+            FORWARD_TENSORS,
             qi.ptr,
             self.device,
             lambda c: _dispatch.forward(p, strides, arch, sms, c),
@@ -169,8 +178,7 @@ class ForwardPlan:
 
     def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> None:
         run = self.runs.pick(not (q_ptr | k_ptr | v_ptr | o_ptr) & 15)
-        pointers = {"q": q_ptr, "k": k_ptr, "v": v_ptr, "o": o_ptr, "lse": lse_ptr}
-        run(self.stream(self.device), pointers)
+        run(self.stream(self.device), (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr))  # FORWARD_TENSORS
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
@@ -232,6 +240,7 @@ class BackwardPlan:
         self.preprocess, self.dkdv, self.dq = _ready(
             p,
             strides,
+            BACKWARD_TENSORS,
             qi.ptr,
             self.device,
             lambda c: _dispatch.backward(p, strides, arch, sms, c),
@@ -255,18 +264,18 @@ class BackwardPlan:
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc(p.lse_shape, self.delta_dtype)
-            pointers = {
-                "q": q_ptr,
-                "k": k_ptr,
-                "v": v_ptr,
-                "o": o_ptr,
-                "dout": do_ptr,
-                "lse": lse_ptr,
-                "delta": delta.ptr,
-                "dq": dq.ptr,
-                "dk": dk.ptr,
-                "dv": dv.ptr,
-            }
+            pointers = (
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                o_ptr,
+                do_ptr,
+                lse_ptr,
+                delta.ptr,
+                dq.ptr,
+                dk.ptr,
+                dv.ptr,
+            )
             self.preprocess.pick(not (o_ptr | do_ptr) & 15)(stream, pointers)
             aligned = not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15
             self.dkdv.pick(aligned)(stream, pointers)

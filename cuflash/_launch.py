@@ -1,13 +1,14 @@
 """Launching a compiled kernel: cuLaunchKernel with its arguments passed by value.
 
 Every kernel takes one Params (cuflash/_params.py); the TMA kernels take their four tensor maps
-first (kernels_cu/tma.cuh). The driver copies the argument bytes at launch, so they live only for
-the call; launches go on the caller's stream and never synchronise the host.
+first (kernels_cu/tma.cuh). The caller hands over the address of the kernelParams pointer array
+(cuflash/_params.py, Arguments); the driver copies the argument bytes at launch, so the block can
+be written again as soon as this returns. Launches go on the caller's stream and never synchronise
+the host.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 from ._compile import Loaded
@@ -34,13 +35,13 @@ def _context_ready(device_index: int) -> bool:
     return device_index in ready
 
 
-def launch(loaded: Loaded, grid: int, device_index: int, stream: int, *args: ctypes.Array) -> None:
-    """Runs `loaded` on `grid` blocks with `args` (ctypes objects, one per kernel parameter)."""
+def launch(loaded: Loaded, grid: int, device_index: int, stream: int, kernel_params: int) -> None:
+    """Runs `loaded` on `grid` blocks; `kernel_params` is the address of the array of pointers to
+    its parameters."""
     if _driver is None:
         _import_cupy()
     if grid > _MAX_GRID_X:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the CUDA grid limit")
-    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
     spec = loaded.spec
     call = (
         loaded.ptr,
@@ -52,7 +53,7 @@ def launch(loaded: Loaded, grid: int, device_index: int, stream: int, *args: cty
         1,
         spec.smem_bytes,
         stream,
-        ctypes.addressof(pointers),
+        kernel_params,
         0,
     )
     if _runtime.getDevice() == device_index and _context_ready(device_index):

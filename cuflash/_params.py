@@ -5,7 +5,8 @@ order). ``layout_asserts()`` states that layout as C++ static_asserts, which eve
 ends with (cuflash/_kernels.py, compiled_source), so that the two cannot drift: a field added on
 one side only fails every compile, and tests/test_params.py checks it with nvcc on the CPU.
 
-A plan fills one Params per launch once (``fill``); a call copies it and patches in its pointers.
+A plan fills one Params per launch once (``fill``); each thread that runs the launch keeps a copy in
+an ``Arguments`` block, into which a call writes its pointers.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class Params(ctypes.Structure):
 def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) -> Params:
     """The Params of one launch of problem `p`: the (batch, head, row) element strides of the
     tensors it touches, every size and option of the problem, and the launch's own fields
-    (cuflash/_dispatch.py, Launch.params_fields). Pointers are left 0: each call patches in its
-    own (``with_pointers``)."""
+    (cuflash/_dispatch.py, Launch.params_fields). Pointers are left 0: each call writes its own
+    (``Arguments.set_pointers``)."""
     params = Params()
     for name, (sb, sh, ss) in strides.items():
         ref = getattr(params, name)
@@ -92,13 +93,35 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
     return params
 
 
-def with_pointers(template: Params, pointers: dict[str, int]) -> Params:
-    """A copy of `template` holding these tensors' addresses (a fresh struct per call, so that
-    threads sharing a plan never share an argument)."""
-    params = Params.from_buffer_copy(template)
-    for name, ptr in pointers.items():
-        getattr(params, name).ptr = ptr
-    return params
+class Arguments:
+    """One launch's argument block: the bytes of its kernel parameters (the tensor maps, then
+    Params) and the pointer array that cuLaunchKernel reads. A Run keeps one per thread, so that
+    threads sharing a plan never share one; a call writes only its pointers (for `tensors`, in
+    that order) and maps into it."""
+
+    MAP_BYTES = 128
+
+    def __init__(self, template: Params, tensors: tuple[str, ...], maps: int = 0) -> None:
+        self.params = Params.from_buffer_copy(template)
+        self.maps = (ctypes.c_char * (self.MAP_BYTES * maps))() if maps else None
+        block = ([self.maps] if maps else []) + [self.params]
+        self._pointers = (ctypes.c_void_p * len(block))(*(ctypes.addressof(a) for a in block))
+        self.address = ctypes.addressof(self._pointers)  # kernelParams of cuLaunchKernel
+        self._map_bytes = memoryview(self.maps).cast("B") if maps else None
+        self._fields = tuple(
+            ctypes.c_uint64.from_buffer(
+                self.params, getattr(Params, name).offset + TensorRef.ptr.offset
+            )
+            for name in tensors
+        )
+
+    def set_pointers(self, pointers: tuple[int, ...]) -> None:
+        for field, ptr in zip(self._fields, pointers, strict=True):
+            field.value = ptr
+
+    def set_map(self, index: int, blob: bytes) -> None:
+        start = index * self.MAP_BYTES
+        self._map_bytes[start : start + self.MAP_BYTES] = blob
 
 
 def layout_asserts() -> str:

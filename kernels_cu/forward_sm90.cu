@@ -37,7 +37,6 @@ __global__ void __launch_bounds__(BM * 2, 1)
   blk.sQ = smem;
   blk.sK = smem + Tr::Q_BYTES;
   blk.sV = blk.sK + 2 * Tr::KV_BYTES;
-  blk.mask = Tr::Mask::of(p);
   blk.m0 = bc.block * BM;
   blk.lane = threadIdx.x & 31;
   blk.warp_row0 = warp * 16;
@@ -49,7 +48,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   // The parameters are read where they are used: copies held through the loop cost registers.
   const unsigned short* k_head = head_ptr<const unsigned short>(p.k, bc.batch, kv_head);
   const unsigned short* v_head = head_ptr<const unsigned short>(p.v, bc.batch, kv_head);
-  const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
+  const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
   load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
                                            p.q.seq, blk.m0, p.seq_q, p.head_dim, p.vec != 0);
   if (tiles.count() > 0) {
@@ -83,10 +82,10 @@ __global__ void __launch_bounds__(BM * 2, 1)
       cp_async_commit();
     }
     if (it < masked) {
-      blk.template process_key_tile<true>(tiles.at(it), it & 1);
+      blk.template process_key_tile<true>(tiles.at(it), it & 1, Tr::Mask::of(p));
       if (it == masked - 1) park_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane), nonfinite_rows(blk.acc_o));
     } else {
-      blk.template process_key_tile<false>(tiles.at(it), it & 1);
+      blk.template process_key_tile<false>(tiles.at(it), it & 1, Tr::Mask::of(p));
     }
   }
 
@@ -105,7 +104,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
                                         lse_rows, blk.scale_log2,
                                         head_rows<const unsigned short>(p.q, bc.batch, bc.head),
                                         Rows{k_head, p.k.seq}, Rows{v_head, p.v.seq},
-                                        blk.m0 + blk.warp_row0, blk.mask, p.head_dim, blk.lane);
+                                        blk.m0 + blk.warp_row0, Tr::Mask::of(p), p.head_dim, blk.lane);
   }
   __syncthreads();
   unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);

@@ -30,8 +30,8 @@ struct Sm90ForwardTraits {
 
 template <typename Tr, typename Elem, int HD, int BM, int BN>
 struct Sm90ForwardBlock {
+  typedef typename Tr::Mask Mask;
   const unsigned char *sQ, *sK, *sV;  // sQ: the whole Q tile; sK, sV: stage 0 (stage s at + s KV_BYTES)
-  typename Tr::Mask mask;
   int m0, lane, warp_row0, wg;
   float scale_log2;
   float acc_o[1][Tr::NT_O][4];
@@ -39,7 +39,8 @@ struct Sm90ForwardBlock {
 
   // S_ij = -inf where query i may not see key j (outside its band, keys past the end): a comparison
   // or two per score against the keys each of this lane's two rows sees.
-  __device__ __forceinline__ void apply_mask(float (&s)[1][Tr::NT_S][4], int n0) const {
+  __device__ __forceinline__ void apply_mask(float (&s)[1][Tr::NT_S][4], int n0,
+                                             const Mask& mask) const {
     const int col0 = n0 + 2 * (lane & 3);
     Bounds keys[2];
 #pragma unroll
@@ -48,15 +49,17 @@ struct Sm90ForwardBlock {
     for (int nt = 0; nt < Tr::NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (mask.key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) s[0][nt][e] = -inf_f32();
+        if (Mask::key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) s[0][nt][e] = -inf_f32();
   }
 
   // P for key tile j (in shared memory at k_tile): S = Q K_j^T for this warpgroup's 64 rows,
   // masked (MASKED: the tile straddles a bound of the mask or the end of the keys), turned into
   // unnormalised probabilities by the online softmax (acc_o rescaled) and rounded to A fragments.
+  // The kernels build `mask` from their Params where they call this (Mask::of): a copy held
+  // through their loops would cost registers.
   template <bool MASKED>
   __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
-                                                unsigned (&p)[Tr::K_PV][4]) {
+                                                unsigned (&p)[Tr::K_PV][4], const Mask& mask) {
     // k16 step kk reads 32 bytes of every row, in column block kk / 4.
     float s[1][Tr::NT_S][4];
     wgmma_fence();
@@ -71,7 +74,7 @@ struct Sm90ForwardBlock {
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(s[0]);
-    if constexpr (MASKED) apply_mask(s, j * BN);
+    if constexpr (MASKED) apply_mask(s, j * BN, mask);
     softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk) accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
@@ -97,9 +100,9 @@ struct Sm90ForwardBlock {
 
   // Key tile j, which sits in pipeline stage `stage` (K and V stages KV_BYTES apart).
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int stage) {
+  __device__ __forceinline__ void process_key_tile(int j, int stage, const Mask& mask) {
     unsigned p[Tr::K_PV][4];
-    probabilities<MASKED>(j, sK + stage * Tr::KV_BYTES, p);
+    probabilities<MASKED>(j, sK + stage * Tr::KV_BYTES, p, mask);
     accumulate_pv(sV + stage * Tr::KV_BYTES, p);
   }
 };

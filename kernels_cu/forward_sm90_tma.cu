@@ -112,9 +112,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   TmaForwardBarriers<Q_BUFS, STAGES>& bar =
       *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sO + Tr::O_STAGE_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const typename Tr::Mask mask = Tr::Mask::of(p);
+  // The parameters are read where they are used (Tr::Mask::of(p) builds the mask there): copies
+  // held through the loops cost the consumers registers.
   const WorkWalk walk{p.num_work, p.paired != 0};  // common.cuh
-  const int heads_q = p.heads_q, num_blocks = p.num_blocks, row_shift = p.row_shift;
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
@@ -139,10 +139,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, heads_q, num_blocks);
-      const int kv_head = bc.head / p.group, m0 = bc.block * BM - row_shift;
+      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+      const int kv_head = bc.head / p.group, m0 = bc.block * BM - p.row_shift;
       if (m0 + BM <= 0) continue;  // an empty slot (row_shift above)
-      const TileRange tiles = mask.key_tiles(m0, BM, BN);
+      const TileRange tiles = Tr::Mask::of(p).key_tiles(m0, BM, BN);
       // Visit `it` of this item's key tiles into the next stage, once the consumers released it.
       auto load_kv = [&](int it) {
         const int stage = pipe % STAGES;
@@ -182,23 +182,21 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
   blk.sK = sK;
   blk.sV = sV;
-  blk.mask = mask;
   blk.lane = lane;
   blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
   blk.wg = (warp - 4) >> 2;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   // The thread that issues this warpgroup's O stores (STAGE_O)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
-  const int nq = p.seq_q, d = p.head_dim;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    blk.m0 = decode_paired_work(item, heads_q, num_blocks).block * BM - row_shift;
+    blk.m0 = decode_paired_work(item, p.heads_q, p.num_blocks).block * BM - p.row_shift;
     if (blk.m0 + BM <= 0) continue;  // an empty slot, skipped by the producer too
     fill(blk.acc_o, 0.f);
     blk.softmax.init(p.p_shift);  // see forward.cu
-    const TileRange tiles = mask.key_tiles(blk.m0, BM, BN);
+    const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
     // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
     // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
     // (repair.cuh).
@@ -217,9 +215,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       unsigned pf[Tr::K_PV][4];
       mbar_wait(&bar.k_full[stage], phase);
       if (it < masked)
-        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf);
+        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p));
       else
-        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf);
+        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p));
       if (it == count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
       mbar_wait(&bar.v_full[stage], phase);
       blk.accumulate_pv(sV + stage * Tr::KV_BYTES, pf);
@@ -233,7 +231,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // from registers) and lse.
     float lse_rows[1][2];
     blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
-    const BlockCoords bc = decode_paired_work(item, heads_q, num_blocks);
+    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
     unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
     float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
@@ -248,7 +246,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // the warpgroup writes O from registers.
       if (o_issuer) bulk_wait_read<0>();
       const int box_row0 = blk.m0 + 64 * blk.wg;
-      const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= nq;
+      const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= p.seq_q;
       staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0 || !whole_box);
       if (staged) {
         stage_output_rows<Elem, HD, BM>(sO, blk.acc_o[0], blk.wg, blk.warp_row0 - 64 * blk.wg,
@@ -265,22 +263,24 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
     }
     if (!staged)
-      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, nq, d, blk.acc_o[0], 1.f, lane);
+      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, p.seq_q, p.head_dim,
+                                             blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + (lane >> 2) + 8 * r;
-        if (row >= 0 && row < nq) lse_head[row * p.lse.seq] = lse_rows[0][r];
+        if (row >= 0 && row < p.seq_q) lse_head[row * p.lse.seq] = lse_rows[0][r];
       }
     }
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
       const int kv_head = bc.head / p.group;
       recompute_forward_rows<Elem, HD, 1>(
-          o_head + row0 * p.o.seq, p.o.seq, d, repair, lse_rows, blk.scale_log2,
+          o_head + row0 * p.o.seq, p.o.seq, p.head_dim, repair, lse_rows, blk.scale_log2,
           head_rows<const unsigned short>(p.q, bc.batch, bc.head),
           head_rows<const unsigned short>(p.k, bc.batch, kv_head),
-          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, mask, d, lane);
+          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, Tr::Mask::of(p),
+          p.head_dim, lane);
     }
   }
   if (o_issuer) bulk_wait<0>();  // the last stores have completed before the block exits

@@ -112,8 +112,21 @@ def test_fill_and_pointers():
     assert template.scale == 0.125 and template.p_shift == 9  # ceil(log2 500) for bfloat16
     assert (template.vec, template.num_blocks, template.num_work, template.rows) == (1, 3, 7, 4800)
     assert template.q.ptr == 0  # pointers come per call
-    call = _params.with_pointers(template, {"q": 0x1000, "lse": 0x2000})
-    assert (call.q.ptr, call.lse.ptr, call.k.ptr) == (0x1000, 0x2000, 0)
-    assert template.q.ptr == 0 and template.lse.ptr == 0  # the plan's template is untouched
-    assert call.q.seq == 8 * 64 and call.window_left == 800
     assert _params.fill(problem(dtype="float16"), {}).p_shift == 0
+
+
+def test_argument_blocks():
+    template = _params.fill(problem(), {"q": (1, 2, 3)}, num_blocks=5)
+    args = _params.Arguments(template, ("q", "lse"), maps=2)
+    args.set_pointers((0x1000, 0x2000))
+    args.set_map(1, bytes(range(128)))
+    call = args.params
+    assert (call.q.ptr, call.lse.ptr, call.k.ptr) == (0x1000, 0x2000, 0)
+    assert (call.q.batch, call.q.head, call.q.seq, call.num_blocks) == (1, 2, 3, 5)
+    assert template.q.ptr == 0 and template.lse.ptr == 0  # the plan's template is untouched
+    pointers = (ctypes.c_void_p * 2).from_address(args.address)
+    assert ctypes.string_at(pointers[0] + 128, 128) == bytes(range(128))
+    assert pointers[1] == ctypes.addressof(call)
+    # without maps the block is Params alone
+    plain = _params.Arguments(template, ("q",))
+    assert (ctypes.c_void_p * 1).from_address(plain.address)[0] == ctypes.addressof(plain.params)

@@ -54,10 +54,14 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_cuda, "stream_getter", lambda library: lambda device: 7)
     monkeypatch.setattr(_tma, "_encode_fn", _fake_encoder(0))
 
-    def launch(loaded, grid, device, stream, *args):
+    def launch(loaded, grid, device, stream, kernel_params):
+        # read the argument block while it holds this call's arguments
         assert stream == 7 and device == 0
-        params = _params.Params.from_buffer_copy(args[-1])
-        maps = bytes(args[0]) if len(args) == 2 else None
+        count = 2 if loaded.spec.path == "tma" else 1
+        pointers = (ctypes.c_void_p * count).from_address(kernel_params)
+        size = ctypes.sizeof(_params.Params)
+        params = _params.Params.from_buffer_copy(ctypes.string_at(pointers[-1], size))
+        maps = ctypes.string_at(pointers[0], 512) if count == 2 else None
         launches.append((loaded.spec, grid, params, maps))
 
     monkeypatch.setattr(_cuda._launch, "launch", launch)
@@ -164,7 +168,7 @@ def test_a_refused_tensor_map_falls_back_to_the_kernels_without_tma(fakes, monke
     assert fakes[-1][0].path == "wgmma" and fakes[-1][2].vec == 1
 
 
-def test_launch_passes_each_argument_by_address(monkeypatch):
+def test_launch_hands_over_the_argument_block(monkeypatch):
     calls = []
 
     class Driver:
@@ -192,12 +196,14 @@ def test_launch_passes_each_argument_by_address(monkeypatch):
     class Loaded:
         ptr, spec = 0xF00, Spec
 
-    params = _params.Params()
-    params.seq_q = 77
-    blob = (ctypes.c_char * 512).from_buffer_copy(bytes(range(256)) * 2)
-    _launch.launch(Loaded, 10, 0, 5, blob, params)
+    template = _params.Params()
+    template.seq_q = 77
+    args = _params.Arguments(template, ("q",), maps=4)
+    for index in range(4):
+        args.set_map(index, bytes(range(128)))
+    _launch.launch(Loaded, 10, 0, 5, args.address)
     ((head, got_blob, seq_q),) = calls
     assert head == (0xF00, 10, 1, 1, 256, 1, 1, 4096, 5)
-    assert got_blob == bytes(blob) and seq_q == 77
+    assert got_blob == bytes(range(128)) * 4 and seq_q == 77
     with pytest.raises(ValueError, match="grid limit"):
-        _launch.launch(Loaded, 2**31, 0, 5, params)
+        _launch.launch(Loaded, 2**31, 0, 5, args.address)
