@@ -40,10 +40,8 @@ struct DqBlock {
 
   const unsigned short *sQ, *sdO;  // this warp's first row of the Q and dO tiles
   unsigned short *sK, *sV;
-  Rows k_rows, v_rows;
-  typename Tr::Mask mask;
-  int m0, d, lane, warp_row0;
-  bool vec;
+  const unsigned short *k_head, *v_head;  // the rest of what a tile needs is read from Params
+  int m0, lane, warp_row0;
   float scale_log2;
 
   float lse2[MT][2];   // lse * log2(e) of rows g, g + 8 (+inf for a row that sees no key)
@@ -54,7 +52,9 @@ struct DqBlock {
 
   // P = exp(scale S - lse), 0 where the key is invisible.
   template <bool MASKED>
-  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0) const {
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0,
+                                                const Params& p) const {
+    const typename Tr::Mask mask = Tr::Mask::of(p);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -62,19 +62,19 @@ struct DqBlock {
       for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
+          float pr = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
           if constexpr (MASKED) {
             const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
             const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            if (!mask.visible(i, j)) p = 0.f;
+            if (!mask.visible(i, j)) pr = 0.f;
           }
-          s[mt][nt][e] = p;
+          s[mt][nt][e] = pr;
         }
   }
 
   // Key tile j (already in flight); j_next is the tile visited next (-1 after the last).
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first) {
+  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first, const Params& p) {
     cp_async_wait<0>();
     __syncthreads();  // K_j and V_j have landed
     if constexpr (FR) {
@@ -93,7 +93,7 @@ struct DqBlock {
       gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(s, sQ, sK, lane);
       gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(dp, sdO, sV, lane);
     }
-    probabilities<MASKED>(s, j * Tr::BN);
+    probabilities<MASKED>(s, j * Tr::BN, p);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // dS = P * (dP - D), in place of dP
 #pragma unroll
@@ -104,10 +104,10 @@ struct DqBlock {
     if (j_next >= 0) {
       __syncthreads();  // every warp is done with K_j and V_j
       const int n1 = j_next * Tr::BN;
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_rows.head, k_rows.stride, n1, mask.nk, d,
-                                                    vec);
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_rows.head, v_rows.stride, n1, mask.nk, d,
-                                                    vec);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, p.k.seq, n1, p.seq_k, p.head_dim,
+                                                    p.vec != 0);
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, p.v.seq, n1, p.seq_k, p.head_dim,
+                                                    p.vec != 0);
       cp_async_commit();
     }
   }
@@ -133,13 +133,10 @@ __global__ void __launch_bounds__(NWARPS * 32)
   blk.sdO = sdO + blk.warp_row0 * PITCH;
   blk.sK = sdO + BM * PITCH;
   blk.sV = blk.sK + BN * PITCH;
-  blk.k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
-  blk.v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
-  blk.mask = Tr::Mask::of(p);
+  blk.k_head = head_ptr<const unsigned short>(p.k, bc.batch, kv_head);
+  blk.v_head = head_ptr<const unsigned short>(p.v, bc.batch, kv_head);
   blk.m0 = bc.block * BM;
-  blk.d = d;
   blk.lane = lane;
-  blk.vec = p.vec != 0;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   fill(blk.acc_dq, 0.f);
 
@@ -164,18 +161,17 @@ __global__ void __launch_bounds__(NWARPS * 32)
     }
   }
 
-  const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
+  const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
+  const bool vec = p.vec != 0;
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
-                                         p.q.seq, blk.m0, nq, d, blk.vec);
+                                         p.q.seq, blk.m0, nq, d, vec);
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO,
                                          head_ptr<const unsigned short>(p.dout, bc.batch, bc.head),
-                                         p.dout.seq, blk.m0, nq, d, blk.vec);
+                                         p.dout.seq, blk.m0, nq, d, vec);
   if (tiles.count() > 0) {
     const int first = tiles.at(0) * BN;
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_rows.head, blk.k_rows.stride, first, nk, d,
-                                           blk.vec);
-    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_rows.head, blk.v_rows.stride, first, nk, d,
-                                           blk.vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_head, p.k.seq, first, nk, d, vec);
+    load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sV, blk.v_head, p.v.seq, first, nk, d, vec);
   }
   cp_async_commit();
 
@@ -184,12 +180,12 @@ __global__ void __launch_bounds__(NWARPS * 32)
   const int masked = tiles.masked(), count = tiles.count();
   int it = 0;
   for (; it < masked; ++it)
-    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0);
+    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0, p);
   // The flags wait in the padding columns of this lane's row g of the Q tile (repair.cuh).
   const FlagSlot flags = padding_flag_slot(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH, HD, lane);
   if (masked > 0) park_flags(flags, nonfinite_rows(blk.acc_dq));
   for (; it < count; ++it)
-    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0);
+    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0, p);
   const unsigned repair = masked > 0 ? unpark_flags(flags) : 0u;
 
   // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
@@ -203,14 +199,14 @@ __global__ void __launch_bounds__(NWARPS * 32)
     recompute_dq_rows<Elem, HD, MT>(
         stage, PITCH, HD, repair, scale, blk.scale_log2,
         head_rows<const unsigned short>(p.q, bc.batch, bc.head),
-        head_rows<const unsigned short>(p.dout, bc.batch, bc.head), blk.k_rows, blk.v_rows,
-        head_rows<const float>(p.lse, bc.batch, bc.head),
-        head_rows<const float>(p.delta, bc.batch, bc.head), blk.m0 + blk.warp_row0, blk.mask, d,
-        lane);
+        head_rows<const unsigned short>(p.dout, bc.batch, bc.head), Rows{blk.k_head, p.k.seq},
+        Rows{blk.v_head, p.v.seq}, head_rows<const float>(p.lse, bc.batch, bc.head),
+        head_rows<const float>(p.delta, bc.batch, bc.head), blk.m0 + blk.warp_row0,
+        Tr::Mask::of(p), d, lane);
   }
   __syncthreads();
   unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
-  store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, p.dq.seq, blk.m0, nq, d, blk.vec);
+  store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, p.dq.seq, blk.m0, nq, d, vec);
 }
 
 }  // namespace cuflash

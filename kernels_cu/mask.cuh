@@ -28,13 +28,13 @@ struct TileRange {
   __host__ __device__ __forceinline__ int count() const { return end - begin; }
   __host__ __device__ __forceinline__ int masked() const { return count() - (full_end - full_begin); }
   // Visit `it` of [0, count) -> tile index, -1 past the end: the masked tiles after the full ones,
-  // then those before them, then the full ones.
+  // then the tiles from begin up (those before the full ones, then the full ones). It runs once per
+  // tile in the kernels' main loops: one select (a version with a branch per range cost the TMA
+  // forward 8% at d = 64: docs/perf/NOTES.md, v10).
   __host__ __device__ __forceinline__ int at(int it) const {
-    const int after = end - full_end, before = full_begin - begin;
-    if (it < after) return full_end + it;
-    if (it < after + before) return begin + (it - after);
-    it -= after + before;
-    return it < full_end - full_begin ? full_begin + it : -1;
+    if (it >= count()) return -1;
+    const int after = end - full_end;
+    return it < after ? full_end + it : begin + (it - after);
   }
 };
 
