@@ -118,16 +118,19 @@ __host__ __device__ __forceinline__ int masked_query_steps(const TileRange& t, i
   return group * t.masked();
 }
 
+// Each branch indexes its own range directly: through TileRange::at the TMA dK/dV kernel at d = 128
+// took 13% longer (ncu, H100: 2.23 against 1.97 ms; docs/perf/NOTES.md, v10).
 __host__ __device__ __forceinline__ QueryStep query_step_at(int step, const TileRange& t, int group) {
   const int masked = t.masked(), unmasked = t.count() - masked;
   QueryStep s;
   if (step < group * masked) {
     s.head = step / masked;
-    s.tile = t.at(step - s.head * masked);
+    const int i = step - s.head * masked, after = t.end - t.full_end;
+    s.tile = i < after ? t.full_end + i : t.begin + (i - after);  // at(i)
   } else {
     const int u = step - group * masked;
     s.head = u / unmasked;
-    s.tile = t.at(masked + (u - s.head * unmasked));
+    s.tile = t.full_begin + (u - s.head * unmasked);  // at(masked + i)
   }
   return s;
 }

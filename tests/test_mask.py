@@ -88,8 +88,8 @@ def test_tile_ranges_of_dense_and_causal_masks():
     assert dense.key_tiles(0, 64, 64) == _mask.TileRange(0, 0, 4, 5)  # the ragged end is masked
 
 
-# The kernels' mask.cuh, compiled for the host: it prints the tile ranges and row bounds that the
-# mirror must reproduce.
+# The kernels' mask.cuh, compiled for the host: it prints the tile ranges, their visit orders and the
+# dK/dV kernels' steps, which the mirror must reproduce.
 _PROGRAM = r"""
 #include "mask.cuh"
 #include <cstdio>
@@ -109,7 +109,12 @@ int main() {
     for (int n0 = 0; n0 < nk; n0 += bn) {
       cuflash::TileRange t =
           is_local ? local.query_tiles(n0, bn, bm) : plain.query_tiles(n0, bn, bm);
-      std::printf("q %d %d %d %d\n", t.begin, t.full_begin, t.full_end, t.end);
+      std::printf("q %d %d %d %d", t.begin, t.full_begin, t.full_end, t.end);
+      for (int step = 0; step < 3 * t.count(); ++step) {  // the dK/dV kernels' steps, group of 3
+        const cuflash::QueryStep s = cuflash::query_step_at(step, t, 3);
+        std::printf(" %d:%d", s.head, s.tile);
+      }
+      std::printf("\n");
     }
   }
   return 0;
@@ -125,7 +130,13 @@ def _mirror_lines(mask: _mask.Mask, bm: int, bn: int) -> list[str]:
         lines.append(f"k {t.begin} {t.full_begin} {t.full_end} {t.end} {order}")
     for n0 in range(0, mask.nk, bn):
         t = mask.query_tiles(n0, bn, bm)
-        lines.append(f"q {t.begin} {t.full_begin} {t.full_end} {t.end}")
+        # the dK/dV kernels' steps (group of 3 query heads): every head's masked tiles, then every
+        # head's full ones, each in the visit order
+        order = t.order()
+        steps = [(h, j) for h in range(3) for j in order[: t.masked]]
+        steps += [(h, j) for h in range(3) for j in order[t.masked :]]
+        steps_text = "".join(f" {h}:{j}" for h, j in steps)
+        lines.append(f"q {t.begin} {t.full_begin} {t.full_end} {t.end}{steps_text}")
     return lines
 
 
