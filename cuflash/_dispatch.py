@@ -108,21 +108,10 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     spec = _kernels.instance("forward", "tma", p.dtype, p.head_dim, tiles, 0, o_via_tma)
     # Row blocks get costlier along the sequence under a right bound (causal): pair heavy with
     # light items, and put the partial block first, where it sees the fewest keys.
-    heavy_last = p.mask.bounded_right
-    slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=heavy_last)
-    work = slots * p.batch * p.heads_q
+    slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)
     maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), ("v", spec.rows_per_step))
     maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
-    aligned = Launch(
-        spec,
-        _persistent_grid(work, heavy_last, sm_count),
-        slots,
-        vec=True,
-        num_work=work,
-        paired=heavy_last,
-        row_shift=row_shift,
-        maps=maps,
-    )
+    aligned = _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
     return Pair(aligned, unaligned)
 
 
@@ -156,7 +145,7 @@ def backward(
         and _tma_readable(p, strides, ("q", "k", "v", "dout"))
     )
     if tma:
-        heavy_last = p.mask.bounded_right
+        maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
         launches = []
         for family, heads, seq in (("dkdv", p.heads_kv, p.seq_k), ("dq", p.heads_q, p.seq_q)):
             tiles = choice.tiles_for(family, "tma") or _kernels.default_tiles(
@@ -164,18 +153,7 @@ def backward(
             )
             spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles)
             blocks = _ceil_div(seq, spec.rows_per_block)
-            work = blocks * p.batch * heads
-            launches.append(
-                Launch(
-                    spec,
-                    _persistent_grid(work, heavy_last, sm_count),
-                    blocks,
-                    vec=True,
-                    num_work=work,
-                    paired=heavy_last,
-                    maps=(("q", 64), ("k", 64), ("v", 64), ("dout", 64)),
-                )
-            )
+            launches.append(_persistent_launch(p, spec, heads, blocks, sm_count, maps))
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
 
@@ -246,6 +224,32 @@ def _table_launch(p: Problem, family: str, arch: str, choice: KernelChoice, vec:
     seq, heads = (p.seq_k, p.heads_kv) if family == "dkdv" else (p.seq_q, p.heads_q)
     blocks = _ceil_div(seq, spec.rows_per_block)
     return Launch(spec, blocks * p.batch * heads, blocks, vec)
+
+
+def _persistent_launch(
+    p: Problem,
+    spec: _kernels.KernelSpec,
+    heads: int,
+    blocks: int,
+    sm_count: int,
+    maps: tuple,
+    row_shift: int = 0,
+) -> Launch:
+    """A TMA kernel's launch: a block per SM walks the work list of `blocks` row blocks of every
+    (batch, head). Under a right bound (causal) later blocks see more keys: the walk pairs heavy
+    items with light ones (common.cuh, WorkWalk)."""
+    work = blocks * p.batch * heads
+    heavy_last = p.mask.bounded_right
+    return Launch(
+        spec,
+        _persistent_grid(work, heavy_last, sm_count),
+        blocks,
+        vec=True,
+        num_work=work,
+        paired=heavy_last,
+        row_shift=row_shift,
+        maps=maps,
+    )
 
 
 def _persistent_grid(work: int, paired: bool, sm_count: int) -> int:

@@ -88,8 +88,8 @@ def test_tile_ranges_of_dense_and_causal_masks():
     assert dense.key_tiles(0, 64, 64) == _mask.TileRange(0, 0, 4, 5)  # the ragged end is masked
 
 
-# The kernels' mask.cuh, compiled for the host: it prints the tile ranges, their visit orders and the
-# dK/dV kernels' steps, which the mirror must reproduce.
+# The kernels' mask.cuh, compiled for the host: it prints the tile ranges, their visit orders and
+# the dK/dV kernels' steps, which the mirror must reproduce.
 _PROGRAM = r"""
 #include "mask.cuh"
 #include <cstdio>

@@ -33,28 +33,23 @@ def problem(**kw) -> Problem:
     return Problem(**fields)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_host_and_device_layouts_agree(tmp_path: Path, arch: str):
-    # The same static_asserts end every source the runtime compiles (cuflash/_kernels.py,
-    # compiled_source); here they are compiled alone, for the device.
+def _compile_params_with_asserts(tmp_path: Path, arch: str) -> subprocess.CompletedProcess:
+    """params.cuh followed by the mirror's static_asserts, compiled for the device with nvcc."""
     nvcc = compile_check.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found: this check compiles kernels_cu/params.cuh")
     unit = tmp_path / "params.cu"
     unit.write_text(_kernels.expanded_source("params.cuh") + _params.layout_asserts())
-    proc = subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            "-c",
-            f"-gencode=arch=compute_{arch[3:]},code={arch}",
-            "-o",
-            str(tmp_path / "params.o"),
-            str(unit),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    command = [nvcc, "-std=c++17", "-c", f"-gencode=arch=compute_{arch[3:]},code={arch}"]
+    command += ["-o", str(tmp_path / "params.o"), str(unit)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_host_and_device_layouts_agree(tmp_path: Path, arch: str):
+    # The same static_asserts end every source the runtime compiles (cuflash/_kernels.py,
+    # compiled_source); here they are compiled alone, for the device.
+    proc = _compile_params_with_asserts(tmp_path, arch)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -66,10 +61,6 @@ def test_layout_asserts_name_every_field():
 
 
 def test_a_drifted_mirror_fails_to_compile(tmp_path: Path, monkeypatch):
-    nvcc = compile_check.find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-
     class Drifted(ctypes.Structure):  # p_shift and vec swapped
         _fields_ = [
             (n, t)
@@ -79,21 +70,7 @@ def test_a_drifted_mirror_fails_to_compile(tmp_path: Path, monkeypatch):
         ]
 
     monkeypatch.setattr(_params, "Params", Drifted)
-    unit = tmp_path / "params.cu"
-    unit.write_text(_kernels.expanded_source("params.cuh") + _params.layout_asserts())
-    proc = subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            "-c",
-            "-gencode=arch=compute_80,code=sm_80",
-            "-o",
-            str(tmp_path / "params.o"),
-            str(unit),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = _compile_params_with_asserts(tmp_path, "sm_80")
     assert proc.returncode != 0 and "Params::vec offset" in proc.stderr
 
 
