@@ -143,10 +143,13 @@ __global__ void __launch_bounds__(NWARPS * 32)
                                          p.v.seq, blk.n0, nk, d, blk.vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
-  const TileRange tiles = blk.mask.query_tiles(blk.n0, BN, BM);
-  const int num_steps = p.group * tiles.count(), masked_steps = masked_query_steps(tiles, p.group);
+  // The range is recomputed where a step needs it: held through the loop, it took the registers
+  // that the d = 32 instance then spilled (sm_80).
+  auto query_tiles = [&] { return blk.mask.query_tiles(blk.n0, BN, BM); };
+  const int num_steps = p.group * query_tiles().count();
+  const int masked_steps = masked_query_steps(query_tiles(), p.group);
   auto load_step = [&](int step) {
-    const QueryStep at = query_step_at(step, tiles, p.group);
+    const QueryStep at = query_step_at(step, query_tiles(), p.group);
     const int head = bc.head * p.group + at.head;
     blk.load_query_tile(head_rows<const unsigned short>(p.q, bc.batch, head),
                         head_rows<const unsigned short>(p.dout, bc.batch, head),
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
         load_a_frags<1, Tr::K_HD, PITCH>(blk.v_frag, blk.sV, lane);
       }
     }
-    const int mb = query_step_at(step, tiles, p.group).tile;
+    const int mb = query_step_at(step, query_tiles(), p.group).tile;
     if (step < masked_steps)
       blk.template process_query_tile<true>(mb * BM);
     else
