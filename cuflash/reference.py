@@ -165,12 +165,17 @@ def scores_and_probabilities(
     qb, kb = _to_bhsd(q, layout), _to_bhsd(k, layout)
     group = _group(qb.shape[1], kb.shape[1])
     scale = default_scale(qb.shape[-1]) if scale is None else float(scale)
-    s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
-    mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
-    s = np.where(mask, s, -np.inf)
-    lse = _logsumexp(s)
-    p = _probabilities(s, lse, mask)
+    s, _, _, p = _softmax(qb, _expand(kb, group), scale, causal, window)
     return (s[0, 0], p[0, 0]) if np.ndim(q) == 2 else (s, p)
+
+
+def _softmax(qb: np.ndarray, ke: np.ndarray, scale: float, causal: bool, window: Any):
+    """(S with hidden entries -inf, the visibility mask, lse, P) of (B, H, N, d) queries and keys
+    expanded to the query heads."""
+    mask = visible_mask(qb.shape[2], ke.shape[2], causal, window)
+    s = np.where(mask, scale * (qb @ ke.transpose(0, 1, 3, 2)), -np.inf)
+    lse = _logsumexp(s)
+    return s, mask, lse, _probabilities(s, lse, mask)
 
 
 def _logsumexp(s: np.ndarray) -> np.ndarray:
@@ -202,11 +207,7 @@ def forward(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention: (o, lse) in float64 (see the module docstring for shapes)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
-    s = scale * (qb @ _expand(kb, group).transpose(0, 1, 3, 2))
-    mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
-    s = np.where(mask, s, -np.inf)
-    lse = _logsumexp(s)
-    p = _probabilities(s, lse, mask)
+    _, mask, lse, p = _softmax(qb, _expand(kb, group), scale, causal, window)
     o = _masked_matmul(p, _expand(vb, group), mask)
     return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
 
