@@ -11,6 +11,8 @@
 #     bench     bench/bench_attention.py, $BENCH_ARGS (default --quick)
 #     ab        the benchmark against the checkout in $BASELINE (default .ab/base: see
 #               docs/perf/NOTES.md, "A/B against an earlier commit"), $AB_ARGS
+#     mods      bench/bench_score_mods.py: windows, softcap, ALiBi against dense, FlexAttention
+#               and JAX's cuDNN attention, $MODS_ARGS
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -51,6 +53,13 @@ if has ab; then
     --baseline "${BASELINE:-.ab/base}" --out "$OUT/ab" > "$LOGS/ab.log" 2>"$LOGS/ab.err"
   say "ab exit $?"
   cat "$OUT/ab/bench_table.txt" >> "$SUMMARY" 2>/dev/null
+fi
+
+if has mods; then
+  timeout ${MODS_TIMEOUT:-400} $PY bench/bench_score_mods.py ${MODS_ARGS:-} --out "$OUT/mods" \
+    > "$LOGS/mods.log" 2>"$LOGS/mods.err"
+  say "mods exit $?"
+  cat "$OUT/mods/score_mods_table.txt" >> "$SUMMARY" 2>/dev/null
 fi
 
 if has bench; then

@@ -26,7 +26,15 @@ def _blocks(p: Problem) -> dict[str, int]:
     return {"block_m": block_m, "block_n": max(1, p.seq_k)}
 
 
-def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[Any, Any]:
+def _score_mods(p: Problem, alibi: ArrayInfo | None) -> dict[str, Any]:
+    """The reference's softcap and ALiBi arguments of problem `p`."""
+    slopes = None if alibi is None else np.asarray(as_float(alibi), dtype=np.float64)
+    return {"softcap": p.softcap, "alibi_slopes": slopes}
+
+
+def forward(
+    p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, alibi: ArrayInfo | None = None
+) -> tuple[Any, Any]:
     if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
         o = np.zeros(p.q_shape)
         lse = np.full(p.lse_shape, -np.inf)
@@ -38,6 +46,7 @@ def forward(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> tuple[An
             window=p.window,
             scale=p.scale,
             layout=p.layout,
+            **_score_mods(p, alibi),
             **_blocks(p),
         )
     return cpu_result(qi, o, p.dtype), cpu_result(qi, lse, p.lse_dtype)
@@ -51,6 +60,7 @@ def backward(
     vi: ArrayInfo,
     oi: ArrayInfo,
     lsei: ArrayInfo,
+    alibi: ArrayInfo | None = None,
 ) -> tuple[Any, Any, Any]:
     if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
         dq, dk, dv = np.zeros(p.q_shape), np.zeros(p.kv_shape), np.zeros(p.kv_shape)
@@ -65,6 +75,7 @@ def backward(
             window=p.window,
             scale=p.scale,
             layout=p.layout,
+            **_score_mods(p, alibi),
             **_blocks(p),
         )
     return (cpu_result(qi, dq, p.dtype), cpu_result(qi, dk, p.dtype), cpu_result(qi, dv, p.dtype))

@@ -20,14 +20,25 @@ from typing import Any
 
 import numpy as np
 
-from . import _compile, _dispatch, _kernels, _launch, _params, _plans, _tma
+from . import _compile, _dispatch, _kernels, _launch, _params, _plans, _tma, _validate
 from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, CudaAllocator, stream_getter
 from ._problem import Problem
 
-# The tensors whose pointers a call hands to its launches, in this order.
+# The tensors whose pointers a call hands to its launches, in this order (then "alibi", the ALiBi
+# slopes, where the call has them).
 FORWARD_TENSORS = ("q", "k", "v", "o", "lse")
 BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
+
+
+def _with_alibi(
+    p: Problem, tensors: tuple[str, ...], strides: _dispatch.Strides, alibi: ArrayInfo | None
+) -> tuple[str, ...]:
+    """The call's tensors, and the slopes' strides in `strides`, where it has ALiBi slopes."""
+    if alibi is None:
+        return tensors
+    strides["alibi"] = _validate.alibi_strides(alibi)
+    return (*tensors, "alibi")
 
 
 class Run:
@@ -136,6 +147,7 @@ class ForwardPlan:
         vi: ArrayInfo,
         choice: _dispatch.KernelChoice = _dispatch.DEFAULT,
         poison: bool = False,
+        alibi: ArrayInfo | None = None,
     ) -> None:
         self.p = p
         self.device = p.device[1]
@@ -165,39 +177,42 @@ class ForwardPlan:
             "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
             "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
         }
+        tensors = _with_alibi(p, FORWARD_TENSORS, strides, alibi)
         arch, sms = _target(self.device)
         self.runs = _ready(
             p,
             strides,
-            FORWARD_TENSORS,
+            tensors,
             qi.ptr,
             self.device,
             lambda c: _dispatch.forward(p, strides, arch, sms, c),
             choice,
         )
 
-    def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> None:
+    def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, *alibi) -> None:
         run = self.runs.pick(not (q_ptr | k_ptr | v_ptr | o_ptr) & 15)
-        run(self.stream(self.device), (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr))  # FORWARD_TENSORS
+        run(self.stream(self.device), (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *alibi))
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
         if not self.torch_fast:
             return self(*_plans.pointers(arrays))
-        q, k, v = arrays
+        q, k, v, *alibi = arrays
         empty_like, contiguous, empty, lse_dtype, device = self._torch_outputs
         o = empty_like(q, memory_format=contiguous)
         lse = empty(self.shapes[2], dtype=lse_dtype, device=device)
-        self._run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
+        slopes = (alibi[0].data_ptr(),) if alibi else ()
+        self._run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), *slopes)
         return o, lse
 
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int) -> tuple[Any, Any]:
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, *alibi_ptr: int) -> tuple[Any, Any]:
+        """Runs the plan on the pointers of q, k, v (and the ALiBi slopes, where it has them)."""
         o_shape, dtype, lse_shape, lse_dtype = self.shapes
         # a row that sees no key (no keys at all, here) has o = 0 and lse = -inf
         o = self.alloc(o_shape, dtype, None if self.work else 0.0)
         lse = self.alloc(lse_shape, lse_dtype, None if self.work else -np.inf)
         if self.work:
-            self._run(q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr)
+            self._run(q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *alibi_ptr)
         return self.alloc.result(o), self.alloc.result(lse)
 
 
@@ -215,6 +230,7 @@ class BackwardPlan:
         lsei: ArrayInfo,
         choice: _dispatch.KernelChoice = _dispatch.DEFAULT,
         poison: bool = False,
+        alibi: ArrayInfo | None = None,
     ) -> None:
         self.p = p
         self.device = p.device[1]
@@ -236,11 +252,12 @@ class BackwardPlan:
             "dk": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
             "dv": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
         }
+        tensors = _with_alibi(p, BACKWARD_TENSORS, strides, alibi)
         arch, sms = _target(self.device)
         self.preprocess, self.dkdv, self.dq = _ready(
             p,
             strides,
-            BACKWARD_TENSORS,
+            tensors,
             qi.ptr,
             self.device,
             lambda c: _dispatch.backward(p, strides, arch, sms, c),
@@ -252,8 +269,16 @@ class BackwardPlan:
         return self(*_plans.pointers(arrays))
 
     def __call__(
-        self, do_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int
+        self,
+        do_ptr: int,
+        q_ptr: int,
+        k_ptr: int,
+        v_ptr: int,
+        o_ptr: int,
+        lse_ptr: int,
+        *alibi_ptr: int,
     ) -> tuple[Any, Any, Any]:
+        """Runs the plan on the pointers of do, q, k, v, o, lse (and the ALiBi slopes)."""
         p = self.p
         fill = None if self.work else 0.0
         dq = self.alloc(p.q_shape, p.dtype, fill)
@@ -275,6 +300,7 @@ class BackwardPlan:
                 dq.ptr,
                 dk.ptr,
                 dv.ptr,
+                *alibi_ptr,
             )
             self.preprocess.pick(not (o_ptr | do_ptr) & 15)(stream, pointers)
             aligned = not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15

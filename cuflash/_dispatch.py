@@ -105,7 +105,7 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
         and p.head_dim == bucket
         and _tma_readable(p, strides, ("o",))
     )
-    spec = _kernels.instance("forward", "tma", p.dtype, p.head_dim, tiles, 0, o_via_tma)
+    spec = _kernels.instance("forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma)
     # Row blocks get costlier along the sequence under a right bound (causal): pair heavy with
     # light items, and put the partial block first, where it sees the fewest keys.
     slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)
@@ -151,11 +151,20 @@ def backward(
             tiles = choice.tiles_for(family, "tma") or _kernels.default_tiles(
                 family, "tma", p.dtype, p.head_dim
             )
-            spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles)
+            spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles, features(p))
             blocks = _ceil_div(seq, spec.rows_per_block)
             launches.append(_persistent_launch(p, spec, heads, blocks, sm_count, maps))
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
+
+
+def features(p: Problem) -> int:
+    """The kernels' compile-time features (kernels_cu/features.cuh) that problem `p` needs."""
+    return (
+        (_kernels.FEATURE_LOCAL if p.mask.local else 0)
+        | (_kernels.FEATURE_SOFTCAP if p.softcap is not None else 0)
+        | (_kernels.FEATURE_ALIBI if p.alibi else 0)
+    )
 
 
 def row_slots(seq_q: int, rows_per_block: int, end_aligned: bool) -> tuple[int, int]:
@@ -208,7 +217,7 @@ def _tma_readable(p: Problem, strides: Strides, names: tuple[str, ...]) -> bool:
 
 def _allowed_paths(p: Problem, family: str, arch: str, choice: KernelChoice) -> tuple[str, ...]:
     """The paths of `family` for this call, fastest first, none faster than choice.path."""
-    paths = _kernels.paths(family, p.dtype, p.head_dim, arch)
+    paths = _kernels.paths(family, p.dtype, p.head_dim, arch, features(p))
     if choice.path is None or choice.path not in _kernels.TENSOR_CORE_PATHS:
         return paths
     rank = _kernels.TENSOR_CORE_PATHS.index(choice.path)
@@ -220,7 +229,8 @@ def _table_launch(p: Problem, family: str, arch: str, choice: KernelChoice, vec:
     """The launch of the first path that reads any strides: a block per row block of every head
     (query rows for forward and dq, keys for dkdv)."""
     path = next(q for q in _allowed_paths(p, family, arch, choice) if q != "tma")
-    spec = _kernels.instance(family, path, p.dtype, p.head_dim, choice.tiles_for(family, path))
+    tiles = choice.tiles_for(family, path)
+    spec = _kernels.instance(family, path, p.dtype, p.head_dim, tiles, features(p))
     seq, heads = (p.seq_k, p.heads_kv) if family == "dkdv" else (p.seq_q, p.heads_q)
     blocks = _ceil_div(seq, spec.rows_per_block)
     return Launch(spec, blocks * p.batch * heads, blocks, vec)

@@ -33,9 +33,13 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 TENSOR_CORE_PATHS = ("tma", "wgmma", "mma")
 
 # Bits of the FEATURES template argument (kernels_cu/features.cuh).
-FEATURE_LOCAL = 1  # the mask has a left bound
-# The feature sets the library launches, and so the compile check builds.
-FEATURE_SETS = (0,)
+FEATURE_LOCAL = 1  # the mask has a left bound (a sliding window)
+FEATURE_SOFTCAP = 2  # S = c tanh(S / c)
+FEATURE_ALIBI = 4  # S -= slope |i + Nk - Nq - j|
+# The feature sets the library launches (every combination), and so the compile check builds.
+FEATURE_SETS = tuple(range(8))
+# Features whose backward runs on the mma.sync kernels on every architecture (paths).
+BACKWARD_ON_MMA = FEATURE_SOFTCAP | FEATURE_ALIBI
 
 # C++ spelling of each dtype as a template argument.
 _CPP_ELEM = {
@@ -123,7 +127,7 @@ _MMA_TILES = {
 # (docs/perf/NOTES.md, v10).
 _WGMMA_TILES = {
     "forward": {64: (192, 64), 128: (192, 64), 256: (128, 64)},
-    "dq": {64: (192, 64), 128: (192, 64)},
+    "dq": {64: (192, 64), 128: (128, 64)},  # (192, 64) spills at d = 128 with a window
     "dkdv": {64: (64, 128), 128: (64, 128)},
 }
 # tma (Hopper, warp-specialised: a producer warpgroup loads tiles with the TMA unit, consumer
@@ -137,6 +141,9 @@ _TMA_TILES = {
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
 # (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
 _TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
+# Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
+# {(family, path, bucket): tiles}.
+_SCORE_MOD_TILES = {("dkdv", "mma", 192): (32, 32, 4, 2)}  # (64, 32, 4, 2): 8 B on sm_90a
 # The TMA forward writes O through a staging tile and TMA stores up to this head dim (shared
 # memory has room for the tile there).
 TMA_STORE_MAX_HEAD_DIM = 128
@@ -191,15 +198,18 @@ def head_dim_bucket(d: int) -> int:
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
 
 
-def paths(family: str, dtype: str, head_dim: int, arch: str) -> tuple[str, ...]:
+def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) -> tuple[str, ...]:
     """The paths with an instance for `family` at this dtype and head dim on `arch` (kernel_arch's
-    spelling: sm_80, sm_86, sm_89, sm_90a, ...), fastest first."""
+    spelling: sm_80, sm_86, sm_89, sm_90a, ...) and these features, fastest first."""
     if family == "preprocess":
         return ("rows",)
     if dtype in EXACT_DTYPES:
         return ("exact",)
     bucket = head_dim_bucket(head_dim)
-    hopper = arch == "sm_90a"
+    # The Hopper backward kernels have no registers left for the score modifiers (they spilled
+    # 20-260 bytes at 168 registers: docs/perf/NOTES.md, v11): those run on mma.sync.
+    modified_backward = family in ("dq", "dkdv") and features & BACKWARD_ON_MMA
+    hopper = arch == "sm_90a" and not modified_backward
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
     return tuple(
         path
@@ -208,10 +218,14 @@ def paths(family: str, dtype: str, head_dim: int, arch: str) -> tuple[str, ...]:
     )
 
 
-def default_tiles(family: str, path: str, dtype: str, head_dim: int, seq_q: int = 0) -> tuple:
+def default_tiles(
+    family: str, path: str, dtype: str, head_dim: int, seq_q: int = 0, features: int = 0
+) -> tuple:
     """The table's tiles of an instance (for `seq_q` query rows, where long sequences take
-    others)."""
+    others; for `features`, where score modifiers need smaller ones)."""
     bucket = head_dim_bucket(head_dim)
+    if features & BACKWARD_ON_MMA and (family, path, bucket) in _SCORE_MOD_TILES:
+        return _SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
         long_tiles = _TMA_TILES_LONG.get((family, bucket))
         if long_tiles and seq_q >= long_tiles[0]:
@@ -268,7 +282,9 @@ def instance(
         # rows with one warp per row (lanes_per_row = 32)
         return spec(f"{name}<{elem}>", PREPROCESS_WARPS * 32, 0, PREPROCESS_WARPS, 0)
     hd = head_dim_bucket(head_dim)
-    tiles = tuple(tiles) if tiles is not None else default_tiles(family, path, dtype, hd)
+    if tiles is None:
+        tiles = default_tiles(family, path, dtype, hd, features=features)
+    tiles = tuple(tiles)
     if path == "tma":
         return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma)
     if o_via_tma:
@@ -342,7 +358,7 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:
                 for features in FEATURE_SETS:
-                    for path in paths(family, dt, hd, arch):
+                    for path in paths(family, dt, hd, arch, features):
                         if path != "tma":  # the first path that reads any strides
                             specs.add(instance(family, path, dt, hd, None, features))
                             break

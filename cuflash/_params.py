@@ -32,13 +32,11 @@ class TensorRef(ctypes.Structure):
     _fields_ = [("ptr", _ptr), ("batch", _i64), ("head", _i64), ("seq", _i64)]
 
 
-TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "delta")
+TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "delta", "alibi")
 
 
 class Params(ctypes.Structure):
     _fields_ = [(name, TensorRef) for name in TENSORS] + [
-        ("alibi_slopes", _ptr),
-        ("alibi_batch_stride", _i64),
         ("cu_seqlens_q", _ptr),
         ("cu_seqlens_k", _ptr),
         ("seqused_k", _ptr),
@@ -75,6 +73,7 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
         ref.batch, ref.head, ref.seq = sb, sh, ss
     mask = p.mask
     params.scale = p.scale
+    params.softcap = p.softcap or 0.0
     params.batch, params.heads_q, params.heads_kv, params.group = (
         p.batch,
         p.heads_q,

@@ -1,9 +1,10 @@
 """Plans per call signature: the second call with the same metadata skips validation.
 
 A signature is everything validation depends on: the arrays' type, shape, strides, dtype and
-device, and causal, scale and layout. Only PyTorch tensors and CuPy arrays on CUDA devices have
-signatures (their metadata is cheap to read); other inputs always take the full path. Data
-pointers are read on every call, and the plan re-checks their 16-byte alignment itself.
+device (the ALiBi slopes' too), and the options (causal, window, softcap, scale, layout). Only
+PyTorch tensors and CuPy arrays on CUDA devices have signatures (their metadata is cheap to read);
+other inputs always take the full path. Data pointers are read on every call, and the plan
+re-checks their 16-byte alignment itself.
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ _MAX_PLANS = 512
 _plans: dict[tuple, Any] = {}
 
 
-def signature(kind: str, arrays: tuple, causal: Any, scale: Any, layout: Any) -> tuple | None:
+def signature(kind: str, arrays: tuple, options: dict[str, Any]) -> tuple | None:
     """The cache key of a call, or None when this call has none (always validated in full).
 
-    Flat, so that hashing it is cheap: (kind, type, causal, scale, layout and their types, then
-    shape, strides, dtype and device of each array).
+    Flat, so that hashing it is cheap: (kind, type, each option with its type (a window's bounds
+    each with theirs), then shape, strides, dtype and device of each array: q, k, v, ..., and the
+    ALiBi slopes where given).
     """
     first = arrays[0]
     cls = type(first)
     module = cls.__module__
-    key = [kind, cls, type(causal), causal, type(scale), scale, type(layout), layout]
+    key = [kind, cls, len(arrays)]
+    for value in options.values():
+        key += (type(value), value)
+        if type(value) is tuple:
+            key += tuple(type(x) for x in value)
     if module.startswith("torch"):
         if not first.is_cuda:
             return None

@@ -28,6 +28,8 @@ class Problem:
     scale: float
     device: tuple[str, int]
     library: str
+    softcap: float | None = None  # S = softcap * tanh(S / softcap)
+    alibi: bool = False  # ALiBi slopes come with the call (their array travels beside it)
 
     @property
     def mask(self) -> _mask.Mask:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,66 @@ def check_causal(causal: Any) -> bool:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__} {causal!r}")
     return bool(causal)
+
+
+def check_window(window: Any, causal: bool) -> tuple[int | None, int | None]:
+    """(left, right) of the window argument, None for an unbounded side; causal sets right = 0."""
+    if window is None:
+        left = right = None
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(
+                f"window must be None or a pair (left, right) of ints (-1 or None: unbounded); "
+                f"got {type(window).__name__} {window!r}"
+            )
+        left, right = _window_bound("left", window[0]), _window_bound("right", window[1])
+    return left, (0 if causal else right)
+
+
+def _window_bound(side: str, bound: Any) -> int | None:
+    if bound is None:
+        return None
+    if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, numbers.Integral):
+        raise TypeError(
+            f"window[{side!r}] must be an int >= 0, -1 or None; got {type(bound).__name__} "
+            f"{bound!r}"
+        )
+    value = int(bound)
+    if value < -1:
+        raise ValueError(
+            f"window's {side} bound must be >= 0, or -1 / None for unbounded; got {value}"
+        )
+    return None if value == -1 else value
+
+
+def check_softcap(softcap: Any) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(
+            f"softcap must be a real number > 0 or None; got {type(softcap).__name__} {softcap!r}"
+        )
+    value = float(softcap)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"softcap must be a finite number > 0 (or None for none); got {value!r}")
+    return value
+
+
+def _check_alibi(info: ArrayInfo, problem: Problem) -> None:
+    """Slopes: float32, (Hq,) or (B, Hq) (for 2-D input (1,) or (1, 1))."""
+    if info.dtype != "float32":
+        raise TypeError(f"alibi_slopes must have dtype float32; got {info.dtype}")
+    shapes = ((problem.heads_q,), (problem.batch, problem.heads_q))
+    if info.shape not in shapes:
+        raise ValueError(
+            f"alibi_slopes must have shape (Hq,) = {shapes[0]} or (B, Hq) = {shapes[1]}; "
+            f"got {info.shape}"
+        )
+
+
+def alibi_strides(info: ArrayInfo) -> tuple[int, int, int]:
+    """(batch, head, row) element strides of the slopes (batch 0 for one slope per head)."""
+    return (0, info.strides[0], 0) if len(info.shape) == 1 else (*info.strides, 0)
 
 
 def check_scale(scale: Any, head_dim: int) -> float:
@@ -99,16 +160,51 @@ def _check_last_dim_contiguous(info: ArrayInfo) -> None:
 
 
 def check_forward(
-    q: Any, k: Any, v: Any, causal: Any, scale: Any, layout: Any
-) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo]:
-    layout = check_layout(layout)
+    q: Any,
+    k: Any,
+    v: Any,
+    alibi_slopes: Any = None,
+    *,
+    causal: Any = False,
+    window: Any = None,
+    softcap: Any = None,
+    scale: Any = None,
+    layout: Any = "bshd",
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo | None]:
+    """(problem, q, k, v, alibi_slopes or None) of a forward call, every argument checked."""
+    named = [(q, "q"), (k, "k"), (v, "v")]
+    infos = _describe_all(named + _named_alibi(alibi_slopes))
+    options = _check_options(causal, window, softcap, layout)
+    problem, qi, ki, vi = _check_qkv(*infos[:3], scale, options)
+    problem, alibi = _alibi_of(problem, infos[3:])
+    return problem, qi, ki, vi, alibi
+
+
+def _named_alibi(alibi_slopes: Any) -> list[tuple[Any, str]]:
+    return [] if alibi_slopes is None else [(alibi_slopes, "alibi_slopes")]
+
+
+def _alibi_of(problem: Problem, rest: list[ArrayInfo]) -> tuple[Problem, ArrayInfo | None]:
+    """The problem with its ALiBi flag, and the slopes' info (None without slopes)."""
+    if not rest:
+        return problem, None
+    _check_alibi(rest[0], problem)
+    return replace(problem, alibi=True), rest[0]
+
+
+def _check_options(causal: Any, window: Any, softcap: Any, layout: Any) -> dict[str, Any]:
     causal = check_causal(causal)
-    return _check_qkv(*_describe_all([(q, "q"), (k, "k"), (v, "v")]), causal, scale, layout)
+    return {
+        "layout": check_layout(layout),
+        "window": check_window(window, causal),
+        "softcap": check_softcap(softcap),
+    }
 
 
 def _check_qkv(
-    qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, causal: bool, scale: Any, layout: str
+    qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, scale: Any, options: dict[str, Any]
 ) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo]:
+    layout = options["layout"]
     infos = [qi, ki, vi]
     _check_dtype(qi)
     _check_dtype(ki, qi.dtype)
@@ -176,22 +272,36 @@ def _check_qkv(
         qi.dtype,
         layout,
         ndim == 2,
-        (None, 0) if causal else (None, None),
+        options["window"],
         check_scale(scale, d),
         qi.device,
         qi.library,
+        options["softcap"],
     )
     return problem, qi, ki, vi
 
 
 def check_backward(
-    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, layout: Any
-) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo]:
-    layout = check_layout(layout)
-    causal = check_causal(causal)
-    infos = _describe_all([(q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (lse, "lse")])
-    problem, qi, ki, vi = _check_qkv(*infos[:3], causal, scale, layout)
-    doi, oi, lsei = infos[3:]
+    do: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    alibi_slopes: Any = None,
+    *,
+    causal: Any = False,
+    window: Any = None,
+    softcap: Any = None,
+    scale: Any = None,
+    layout: Any = "bshd",
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, Any]:
+    """(problem, do, q, k, v, o, lse, alibi_slopes or None) of a backward call."""
+    named = [(q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (lse, "lse")]
+    infos = _describe_all(named + _named_alibi(alibi_slopes))
+    options = _check_options(causal, window, softcap, layout)
+    problem, qi, ki, vi = _check_qkv(*infos[:3], scale, options)
+    doi, oi, lsei = infos[3:6]
     for info in (doi, oi):
         _check_dtype(info, qi.dtype)
         if info.shape != qi.shape:
@@ -205,4 +315,5 @@ def check_backward(
     if lsei.shape != problem.lse_shape:
         words = "(N,)" if problem.two_d else "(B, Hq, Nq)"
         raise ValueError(f"lse must have shape {words} = {problem.lse_shape}; got {lsei.shape}")
-    return problem, doi, qi, ki, vi, oi, lsei
+    problem, alibi = _alibi_of(problem, infos[6:])
+    return problem, doi, qi, ki, vi, oi, lsei, alibi

@@ -5,8 +5,10 @@ Shapes (``layout="bshd"``, the FlashAttention / JAX order): q ``(B, Nq, Hq, d)``
 array is one sequence with one head. ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention;
 query head h reads key/value head ``h // (Hq // Hkv)``).
 
-Causal masking is aligned to the bottom-right corner: query i sees key j when
-``j <= i + Nk - Nq``. A query row that sees no key gives o = 0, lse = -inf and zero gradients.
+Causal masking and sliding windows are aligned to the bottom-right corner: query i sees key j when
+``j <= i + Nk - Nq`` (causal), or ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (window). The
+score is ``S = scale * q . k``, then the softcap, then ALiBi, then the mask. A query row that sees
+no key gives o = 0, lse = -inf and zero gradients.
 
 dtypes: float16 and bfloat16 run on the tensor cores with float32 accumulation; float32 and
 float64 run on an exact path. Outputs have the input dtype; lse is float32 (float64 for float64
@@ -33,6 +35,9 @@ def attention_forward(
     v: Array,
     *,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
     scale: float | None = None,
     layout: str = "bshd",
 ) -> tuple[Array, Array]:
@@ -43,37 +48,49 @@ def attention_forward(
             or ``(Nq, d)``; float16, bfloat16, float32 or float64; last dimension contiguous.
         k, v: keys and values, ``(B, Nk, Hkv, d)`` (or the ``bhsd`` / 2-D equivalents), same
             dtype and device as q; ``Hq % Hkv == 0``.
-        causal: bottom-right aligned causal mask (query i sees key j iff ``j <= i + Nk - Nq``).
+        causal: bottom-right aligned causal mask (query i sees key j iff ``j <= i + Nk - Nq``);
+            with a window it sets the window's right bound to 0.
+        window: ``(left, right)`` sliding window around the bottom-right diagonal: query i sees
+            key j iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ints >= 0, or -1 /
+            None for no bound on that side (FlashAttention's ``window_size``). Default: none.
+        softcap: ``S = softcap * tanh(S / softcap)`` (Gemma 2), a finite number > 0; default none.
+        alibi_slopes: float32 array ``(Hq,)`` or ``(B, Hq)`` of q's library and device: adds
+            ``-slope * |i + Nk - Nq - j|`` to the score of query i and key j (FlashAttention's
+            convention). Applied after the softcap, before the mask.
         scale: softmax scale, a finite number > 0; defaults to ``1 / sqrt(d)``.
         layout: ``"bshd"`` or ``"bhsd"`` (ignored for 2-D input).
 
     Returns:
         ``(o, lse)``: o shaped and typed like q; lse ``(B, Hq, Nq)`` (``(Nq,)`` for 2-D input)
-        holding ``log(sum_j exp(scale * q_i . k_j))`` over the keys row i sees, float32 (float64
-        for float64 input), ``-inf`` for a row that sees no key. Arrays of q's library.
+        holding ``log(sum_j exp(S_ij))`` over the keys row i sees (S after scale, softcap and
+        ALiBi), float32 (float64 for float64 input), ``-inf`` for a row that sees no key. Arrays
+        of q's library.
 
     Raises:
         TypeError: an argument is not an array, has an unsupported dtype, or libraries are mixed;
-            causal is not a bool, scale not a real number, layout not a string.
+            causal is not a bool, scale or softcap not a real number, window not a pair of ints,
+            layout not a string, alibi_slopes not float32.
         ValueError: shapes disagree, arrays are on different devices, the head dim is 0 or above
-            256, the last dimension is not contiguous, scale is not finite and > 0, or layout is
-            neither "bshd" nor "bhsd".
+            256, the last dimension is not contiguous, scale or softcap is not finite and > 0, a
+            window bound is below -1, alibi_slopes has the wrong shape, or layout is neither
+            "bshd" nor "bhsd".
     """
-    arrays = (q, k, v)
-    key = _plans.signature("forward", arrays, causal, scale, layout)
+    options = _options(causal, window, softcap, scale, layout)
+    arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    key = _plans.signature("forward", arrays, options)
     plan = _plans.get(key)
     if plan is not None:  # this signature was validated before
         return plan.call_arrays(arrays)
-    problem, qi, ki, vi = _validate.check_forward(q, k, v, causal, scale, layout)
+    problem, qi, ki, vi, alibi = _validate.check_forward(q, k, v, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu
 
-        return _cpu.forward(problem, qi, ki, vi)
+        return _cpu.forward(problem, qi, ki, vi, alibi)
     from . import _cuda
 
-    plan = _cuda.ForwardPlan(problem, qi, ki, vi, poison=poison_outputs())
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi, poison=poison_outputs(), alibi=alibi)
     _plans.put(key, plan)
-    return plan(qi.ptr, ki.ptr, vi.ptr)
+    return plan(*(info.ptr for info in (qi, ki, vi, alibi) if info is not None))
 
 
 def attention(
@@ -82,11 +99,24 @@ def attention(
     v: Array,
     *,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
     scale: float | None = None,
     layout: str = "bshd",
 ) -> Array:
-    """``softmax(scale * q k^T) v``: the output of :func:`attention_forward` without the lse."""
-    return attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)[0]
+    """``softmax(S) v``: the output of :func:`attention_forward` without the lse."""
+    return attention_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        layout=layout,
+    )[0]
 
 
 def attention_backward(
@@ -98,6 +128,9 @@ def attention_backward(
     lse: Array,
     *,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
     scale: float | None = None,
     layout: str = "bshd",
 ) -> tuple[Array, Array, Array]:
@@ -105,34 +138,46 @@ def attention_backward(
 
     Args:
         do: gradient of the output, shaped and typed like q.
-        q, k, v, causal, scale, layout: as given to :func:`attention_forward`.
+        q, k, v, causal, window, softcap, alibi_slopes, scale, layout: as given to
+            :func:`attention_forward`.
         o, lse: what :func:`attention_forward` returned for them.
 
     Returns:
         ``(dq, dk, dv)`` shaped and typed like q, k and v; with grouped heads dk and dv sum over
-        the query heads of each group. Deterministic: the same inputs give the same bits.
+        the query heads of each group. The gradient goes through the softcap's tanh; the slopes
+        get none. Deterministic: the same inputs give the same bits.
 
     Raises:
         TypeError, ValueError: as :func:`attention_forward`, and for ``do``, ``o`` or ``lse`` of
             the wrong shape, dtype, library or device.
     """
-    arrays = (do, q, k, v, o, lse)
-    key = _plans.signature("backward", arrays, causal, scale, layout)
+    options = _options(causal, window, softcap, scale, layout)
+    arrays = (do, q, k, v, o, lse) if alibi_slopes is None else (do, q, k, v, o, lse, alibi_slopes)
+    key = _plans.signature("backward", arrays, options)
     plan = _plans.get(key)
     if plan is not None:
         return plan.call_arrays(arrays)
-    problem, doi, qi, ki, vi, oi, lsei = _validate.check_backward(
-        do, q, k, v, o, lse, causal, scale, layout
-    )
+    problem, *infos = _validate.check_backward(do, q, k, v, o, lse, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu
 
-        return _cpu.backward(problem, doi, qi, ki, vi, oi, lsei)
+        return _cpu.backward(problem, *infos)
     from . import _cuda
 
-    plan = _cuda.BackwardPlan(problem, doi, qi, ki, vi, oi, lsei, poison=poison_outputs())
+    plan = _cuda.BackwardPlan(problem, *infos[:6], poison=poison_outputs(), alibi=infos[6])
     _plans.put(key, plan)
-    return plan(doi.ptr, qi.ptr, ki.ptr, vi.ptr, oi.ptr, lsei.ptr)
+    return plan(*(info.ptr for info in infos if info is not None))
+
+
+def _options(causal: Any, window: Any, softcap: Any, scale: Any, layout: Any) -> dict[str, Any]:
+    """The keyword options of a call, as validation and the plan signature take them."""
+    return {
+        "causal": causal,
+        "window": window,
+        "softcap": softcap,
+        "scale": scale,
+        "layout": layout,
+    }
 
 
 def poison_outputs() -> bool:

@@ -6,7 +6,7 @@ kernels' Params to the host's mirror), followed by references to every instance 
 launch (``cuflash._kernels.all_specs``). ptxas's resource report (-Xptxas -v) is parsed per
 kernel: a spill or a stack frame (a register array moved to local memory) fails the check.
 
-    python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N]
+    python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N] [--features 0 1 ...]
 """
 
 from __future__ import annotations
@@ -120,7 +120,13 @@ def compile_unit(nvcc: str, source: str, arch: str, specs: list[_kernels.KernelS
     return UnitResult(source, arch, len(specs), tuple(parse_ptxas(output)), seconds, error)
 
 
-def run(archs=DEFAULT_ARCHS, jobs: int | None = None, nvcc: str | None = None) -> list[UnitResult]:
+def run(
+    archs=DEFAULT_ARCHS,
+    jobs: int | None = None,
+    nvcc: str | None = None,
+    features: tuple[int, ...] | None = None,
+) -> list[UnitResult]:
+    """Compiles every instance (those of the given feature sets only, where given)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
@@ -128,7 +134,8 @@ def run(archs=DEFAULT_ARCHS, jobs: int | None = None, nvcc: str | None = None) -
     units: dict[tuple[str, str], list[_kernels.KernelSpec]] = defaultdict(list)
     for arch in archs:
         for spec in _kernels.all_specs(arch):
-            units[(spec.source, arch)].append(spec)
+            if features is None or spec.features in features:
+                units[(spec.source, arch)].append(spec)
     # Largest units first, so that the last one to finish is a short one.
     work = sorted(units, key=lambda w: -len(units[w]))
     jobs = jobs or os.cpu_count() or 1
@@ -162,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
     parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument(
+        "--features", type=int, nargs="+", default=None, help="only these FEATURES values"
+    )
     args = parser.parse_args(argv)
-    results = run(args.arch, args.jobs)
+    results = run(args.arch, args.jobs, features=args.features)
     for unit in results:
         regs = [k.registers for k in unit.kernels]
         span = f"{min(regs)}-{max(regs)} registers" if regs else "no kernels"

@@ -39,22 +39,37 @@ def _check_concrete(*arrays: Any) -> None:
             raise TypeError(_JIT_MESSAGE.format(what=type(x).__name__))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, scale, layout):
+def _options(causal, window, softcap, scale, layout) -> dict:
+    return {
+        "causal": causal,
+        "window": window,
+        "softcap": softcap,
+        "scale": scale,
+        "layout": layout,
+    }
+
+
+# The options are static (hashable) arguments; the ALiBi slopes are an array without a gradient.
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
     _check_concrete(q, k, v)
-    return api.attention(q, k, v, causal=causal, scale=scale, layout=layout)
+    options = _options(causal, window, softcap, scale, layout)
+    return api.attention(q, k, v, alibi_slopes=alibi_slopes, **options)
 
 
-def _attention_fwd(q, k, v, causal, scale, layout):
+def _attention_fwd(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
     _check_concrete(q, k, v)
-    o, lse = api.attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)
-    return o, (q, k, v, o, lse)
+    options = _options(causal, window, softcap, scale, layout)
+    o, lse = api.attention_forward(q, k, v, alibi_slopes=alibi_slopes, **options)
+    return o, (q, k, v, alibi_slopes, o, lse)
 
 
-def _attention_bwd(causal, scale, layout, residuals, do):
-    q, k, v, o, lse = residuals
+def _attention_bwd(causal, window, softcap, scale, layout, residuals, do):
+    q, k, v, alibi_slopes, o, lse = residuals
     _check_concrete(do)
-    return api.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+    options = _options(causal, window, softcap, scale, layout)
+    dq, dk, dv = api.attention_backward(do, q, k, v, o, lse, alibi_slopes=alibi_slopes, **options)
+    return dq, dk, dv, None  # the slopes get no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -67,7 +82,14 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     layout: str = "bshd",
+    *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Exact attention with a custom VJP (see the module docstring). Differentiable in q, k, v
-    with ``jax.grad``/``jax.vjp`` on concrete arrays; raises TypeError under ``jax.jit``."""
-    return _attention(q, k, v, causal, scale, layout)
+    with ``jax.grad``/``jax.vjp`` on concrete arrays; raises TypeError under ``jax.jit``.
+    ``window``, ``softcap`` and ``alibi_slopes`` as in :func:`cuflash.attention` (the slopes get
+    no gradient)."""
+    window = tuple(window) if isinstance(window, list) else window  # a static argument: hashable
+    return _attention(q, k, v, alibi_slopes, causal, window, softcap, scale, layout)

@@ -10,7 +10,10 @@ h reads key/value head ``h // (Hq // Hkv)``. Causal masking is aligned to the bo
 query i sees key j when ``j <= i + Nk - Nq``. A row that sees no key has o = 0, lse = -inf and zero
 gradients. ``window=(left, right)`` bounds what a query sees on either side of that diagonal:
 query i sees key j iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (None or -1: no bound on
-that side); ``causal=True`` sets right = 0. Every function computes in float64 whatever the input
+that side); ``causal=True`` sets right = 0. Score modifiers come between the scale and the mask:
+``softcap=c`` makes ``S = c tanh(S / c)``, then ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``) adds
+``-slope * |i + Nk - Nq - j|``; the backward multiplies dS by ``dS'/dS = 1 - tanh^2`` (so that
+``dQ = scale (dS * (1 - tanh^2)) K``). Every function computes in float64 whatever the input
 dtype and returns float64 arrays (o, dq, dk, dv shaped like q, k, v; lse ``(B, Hq, Nq)``, or
 ``(Nq,)`` for 2-D input).
 
@@ -44,6 +47,32 @@ def resolve_window(causal: bool, window: Any = None) -> tuple[int | None, int | 
     left = None if left is None or left == -1 else int(left)
     right = None if right is None or right == -1 else int(right)
     return left, (0 if causal else right)
+
+
+class _ScoreMods:
+    """The softcap and the ALiBi slopes ((B, Hq) float64) of a call, applied to score blocks."""
+
+    def __init__(self, softcap: float | None, alibi_slopes: Any, batch: int, heads_q: int):
+        self.softcap = None if softcap is None else float(softcap)
+        self.slopes = None
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes, dtype=np.float64).reshape(-1, heads_q)
+            self.slopes = np.broadcast_to(slopes, (batch, heads_q))
+
+    def apply(
+        self, s: np.ndarray, rows: slice, cols: slice, nq: int, nk: int, heads: Any = slice(None)
+    ) -> tuple[np.ndarray, Any]:
+        """(S', dS'/dS) of the scaled scores `s` (B, H, rows, cols) of query rows `rows` and
+        keys `cols` (of nq and nk) for query heads `heads`: the softcap, then ALiBi."""
+        dcap = 1.0
+        if self.softcap is not None:
+            t = np.tanh(s / self.softcap)
+            s, dcap = self.softcap * t, 1.0 - t * t
+        if self.slopes is not None:
+            i = np.arange(rows.start, rows.stop)[:, None] + (nk - nq)
+            j = np.arange(cols.start, cols.stop)[None, :]
+            s = s - self.slopes[:, heads][:, :, None, None] * np.abs(i - j)
+        return s, dcap
 
 
 def visible_mask(nq: int, nk: int, causal: bool = False, window: Any = None) -> np.ndarray:
@@ -158,22 +187,34 @@ def scores_and_probabilities(
     scale: float | None = None,
     layout: str = "bshd",
     window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """S = scale * Q K^T (masked entries -inf) and P = softmax(S) per row (rows that see no key
-    are 0), float64, shape (B, Hq, Nq, Nk) (or (Nq, Nk) for 2-D input)."""
+    """S (scaled, softcapped, ALiBi added; masked entries -inf) and P = softmax(S) per row (rows
+    that see no key are 0), float64, shape (B, Hq, Nq, Nk) (or (Nq, Nk) for 2-D input)."""
     _check_layout(layout)
     qb, kb = _to_bhsd(q, layout), _to_bhsd(k, layout)
     group = _group(qb.shape[1], kb.shape[1])
     scale = default_scale(qb.shape[-1]) if scale is None else float(scale)
-    s, _, _, p = _softmax(qb, _expand(kb, group), scale, causal, window)
+    mods = _ScoreMods(softcap, alibi_slopes, qb.shape[0], qb.shape[1])
+    s, _, _, p = _softmax(qb, _expand(kb, group), scale, causal, window, mods)
     return (s[0, 0], p[0, 0]) if np.ndim(q) == 2 else (s, p)
 
 
-def _softmax(qb: np.ndarray, ke: np.ndarray, scale: float, causal: bool, window: Any):
-    """(S with hidden entries -inf, the visibility mask, lse, P) of (B, H, N, d) queries and keys
+def _full_scores(qb: np.ndarray, ke: np.ndarray, scale: float, mods: _ScoreMods):
+    """(S', dS'/dS) of every query and key: the scaled scores with the softcap and ALiBi."""
+    nq, nk = qb.shape[2], ke.shape[2]
+    return mods.apply(scale * (qb @ ke.transpose(0, 1, 3, 2)), slice(0, nq), slice(0, nk), nq, nk)
+
+
+def _softmax(
+    qb: np.ndarray, ke: np.ndarray, scale: float, causal: bool, window: Any, mods: _ScoreMods
+):
+    """(S' with hidden entries -inf, the visibility mask, lse, P) of (B, H, N, d) queries and keys
     expanded to the query heads."""
     mask = visible_mask(qb.shape[2], ke.shape[2], causal, window)
-    s = np.where(mask, scale * (qb @ ke.transpose(0, 1, 3, 2)), -np.inf)
+    with np.errstate(invalid="ignore"):
+        s = np.where(mask, _full_scores(qb, ke, scale, mods)[0], -np.inf)
     lse = _logsumexp(s)
     return s, mask, lse, _probabilities(s, lse, mask)
 
@@ -204,10 +245,13 @@ def forward(
     scale: float | None = None,
     layout: str = "bshd",
     window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention: (o, lse) in float64 (see the module docstring for shapes)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
-    _, mask, lse, p = _softmax(qb, _expand(kb, group), scale, causal, window)
+    mods = _ScoreMods(softcap, alibi_slopes, qb.shape[0], qb.shape[1])
+    _, mask, lse, p = _softmax(qb, _expand(kb, group), scale, causal, window, mods)
     o = _masked_matmul(p, _expand(vb, group), mask)
     return _from_bhsd(o, layout, two_d), (lse[0, 0] if two_d else lse)
 
@@ -223,6 +267,8 @@ def backward(
     scale: float | None = None,
     layout: str = "bshd",
     window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Naive backward: (dq, dk, dv) of sum(o * do), float64, shaped like q, k, v."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
@@ -230,13 +276,16 @@ def backward(
     lseb = _lse_to_bh(lse, two_d)
     ke, ve = _expand(kb, group), _expand(vb, group)
     mask = visible_mask(qb.shape[2], kb.shape[2], causal, window)
-    p = _probabilities(scale * (qb @ ke.transpose(0, 1, 3, 2)), lseb, mask)
+    mods = _ScoreMods(softcap, alibi_slopes, qb.shape[0], qb.shape[1])
+    with np.errstate(invalid="ignore"):
+        s, dcap = _full_scores(qb, ke, scale, mods)
+    p = _probabilities(s, lseb, mask)
     delta = (dob * ob).sum(axis=-1, keepdims=True)
     mask_t = mask.T
     dv = _masked_matmul(p.transpose(0, 1, 3, 2), dob, mask_t)
     dp = dob @ ve.transpose(0, 1, 3, 2)
     with np.errstate(invalid="ignore"):
-        ds = p * (dp - delta)  # entries the mask hides are ignored by _masked_matmul
+        ds = p * (dp - delta) * dcap  # entries the mask hides are ignored by _masked_matmul
     dq = scale * _masked_matmul(ds, ke, mask)
     dk = scale * _masked_matmul(ds.transpose(0, 1, 3, 2), qb, mask_t)
     return (
@@ -265,6 +314,8 @@ def forward_blockwise(
     block_m: int = 64,
     block_n: int = 64,
     window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The forward kernel: per query block, the online softmax over key blocks (running max m,
     running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end. A row
@@ -273,6 +324,7 @@ def forward_blockwise(
     b, hq, nq, d = qb.shape
     nk = kb.shape[2]
     visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
+    mods = _ScoreMods(softcap, alibi_slopes, b, hq)
     ke, ve = _expand(kb, group), _expand(vb, group)
     o = np.zeros((b, hq, nq, vb.shape[-1]))
     lse = np.full((b, hq, nq), -np.inf)
@@ -283,7 +335,10 @@ def forward_blockwise(
         l_ = np.zeros(qi.shape[:3])  # running sum of exp(s - m)
         acc = np.zeros(qi.shape[:3] + (vb.shape[-1],))  # running sum of exp(s - m) v
         for cols in _blocks(visibility.key_tiles(m0, block_m, block_n), block_n, nk):
-            s = scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2))
+            with np.errstate(invalid="ignore"):
+                s, _ = mods.apply(
+                    scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2)), rows, cols, nq, nk
+                )
             mask = visibility.visible(
                 np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
             )
@@ -314,6 +369,8 @@ def backward_blockwise(
     block_m: int = 64,
     block_n: int = 64,
     window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The backward kernels: preprocess D = rowsum(dO * O); the dK/dV pass (per key block, over
     the query blocks and query heads of its group that can see it); the dQ pass (per query block,
@@ -324,6 +381,7 @@ def backward_blockwise(
     b, hq, nq, d = qb.shape
     hkv, nk = kb.shape[1], kb.shape[2]
     visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
+    mods = _ScoreMods(softcap, alibi_slopes, b, hq)
 
     def block_mask(rows: slice, cols: slice) -> np.ndarray:
         return visibility.visible(
@@ -334,11 +392,12 @@ def backward_blockwise(
     # A row that sees no key (lse = -inf) must give P = 0: use lse = +inf (as the kernels do).
     lse_p = np.where(np.isneginf(lseb), np.inf, lseb)
 
-    def probs(qi: np.ndarray, kj: np.ndarray, lse_i: np.ndarray, rows: slice, cols: slice):
-        s = scale * (qi @ kj.transpose(0, 1, 3, 2))
+    def probs(qi, kj, lse_i, rows: slice, cols: slice, heads: Any = slice(None)):
+        """(P, dS'/dS) of a block: P recomputed from lse, 0 where hidden."""
         with np.errstate(over="ignore", invalid="ignore"):
+            s, dcap = mods.apply(scale * (qi @ kj.transpose(0, 1, 3, 2)), rows, cols, nq, nk, heads)
             p = np.exp(s - lse_i[..., None])
-        return np.where(block_mask(rows, cols), p, 0.0)
+        return np.where(block_mask(rows, cols), p, 0.0), dcap
 
     dk = np.zeros_like(kb)
     dv = np.zeros_like(vb)
@@ -352,12 +411,12 @@ def backward_blockwise(
             heads = np.arange(hkv) * group + g  # query head h uses key head h // group
             for rows in row_blocks:
                 qi, doi = qb[:, heads, rows], dob[:, heads, rows]
-                p = probs(qi, kj, lse_p[:, heads, rows], rows, cols)
+                p, dcap = probs(qi, kj, lse_p[:, heads, rows], rows, cols, heads)
                 mask_t = block_mask(rows, cols).T
                 acc_dv += _masked_matmul(p.transpose(0, 1, 3, 2), doi, mask_t)
                 dp = doi @ vj.transpose(0, 1, 3, 2)
                 with np.errstate(invalid="ignore"):  # an Inf input gives NaN, as in the naive form
-                    ds = p * (dp - delta[:, heads, rows][..., None])
+                    ds = p * (dp - delta[:, heads, rows][..., None]) * dcap
                     acc_dk += _masked_matmul(ds.transpose(0, 1, 3, 2), qi, mask_t)
         dk[:, :, cols] = scale * acc_dk
         dv[:, :, cols] = acc_dv
@@ -369,10 +428,10 @@ def backward_blockwise(
         qi, doi = qb[:, :, rows], dob[:, :, rows]
         acc_dq = np.zeros_like(qi)
         for cols in _blocks(visibility.key_tiles(m0, block_m, block_n), block_n, nk):
-            p = probs(qi, ke[:, :, cols], lse_p[:, :, rows], rows, cols)
+            p, dcap = probs(qi, ke[:, :, cols], lse_p[:, :, rows], rows, cols)
             dp = doi @ ve[:, :, cols].transpose(0, 1, 3, 2)
             with np.errstate(invalid="ignore"):
-                ds = p * (dp - delta[:, :, rows][..., None])
+                ds = p * (dp - delta[:, :, rows][..., None]) * dcap
             acc_dq += _masked_matmul(ds, ke[:, :, cols], block_mask(rows, cols))
         dq[:, :, rows] = scale * acc_dq
     return (

@@ -71,19 +71,48 @@ def _fold_heads(dx: Any, heads_kv: int) -> Any:
     return dx.reshape(b, heads_kv, hq // heads_kv, n, d).sum(axis=2)
 
 
-def _mask(nq: int, nk: int, causal: bool, xp: Any) -> Any:
-    return xp.asarray(visible_mask(nq, nk, causal))
+def _mask(nq: int, nk: int, causal: bool, window: Any, xp: Any) -> Any:
+    return xp.asarray(visible_mask(nq, nk, causal, window))
+
+
+def _modified_scores(s: Any, softcap: Any, alibi_slopes: Any, xp: Any) -> tuple[Any, Any]:
+    """(S', dS'/dS) of scores S (B, H, Nq, Nk) in the work precision: the softcap, then ALiBi
+    (slopes (H,) or (B, H); -slope |i + Nk - Nq - j|); dS'/dS is 1 without the softcap."""
+    work = s.dtype.type
+    dcap = None
+    if softcap is not None:
+        t = xp.tanh(s / work(softcap))
+        s, dcap = work(softcap) * t, 1 - t * t
+    if alibi_slopes is not None:
+        nq, nk = s.shape[-2:]
+        slopes = xp.asarray(alibi_slopes).astype(s.dtype)
+        slopes = slopes[None, :] if slopes.ndim == 1 else slopes
+        dist = xp.abs(xp.arange(nq)[:, None] + (nk - nq) - xp.arange(nk)[None, :]).astype(s.dtype)
+        s = s - slopes[:, :, None, None] * dist
+    return s, (xp.ones_like(s) if dcap is None else dcap)
 
 
 def naive_forward(
-    q: Any, k: Any, v: Any, *, causal: bool, scale: float, dtype: str, xp: Any = np
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool,
+    scale: float,
+    dtype: str,
+    xp: Any = np,
+    window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[Any, Any]:
     """Naive attention at `dtype` precision (float64 = the reference). Inputs (B, H, N, d)
-    already rounded to dtype; returns (o, lse) as float64 arrays."""
+    already rounded to dtype; the softcap and ALiBi (slopes (H,) or (B, H)) in the work precision
+    (float32, float64 for float64); returns (o, lse) as float64 arrays."""
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     work = xp.float64 if dtype == "float64" else xp.float32
     s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
-    mask = _mask(q.shape[2], k.shape[2], causal, xp)
+    s, _ = _modified_scores(s, softcap, alibi_slopes, xp)
+    mask = _mask(q.shape[2], k.shape[2], causal, window, xp)
     s = xp.where(mask, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
     m_safe = xp.where(xp.isneginf(m), 0, m)
@@ -107,20 +136,25 @@ def naive_backward(
     scale: float,
     dtype: str,
     xp: Any = np,
+    window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """Naive backward at `dtype` precision (float64 = the reference), (B, H, N, d) arrays."""
+    """Naive backward at `dtype` precision (float64 = the reference), (B, H, N, d) arrays; the
+    gradient goes through the softcap's tanh."""
     hkv = k.shape[1]
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     work = xp.float64 if dtype == "float64" else xp.float32
     s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
-    mask = _mask(q.shape[2], k.shape[2], causal, xp) & ~xp.isneginf(lse)[..., None]
+    s, dcap = _modified_scores(s, softcap, alibi_slopes, xp)
+    mask = _mask(q.shape[2], k.shape[2], causal, window, xp) & ~xp.isneginf(lse)[..., None]
     lse_safe = xp.where(xp.isneginf(lse), 0, lse).astype(work)[..., None]
     p = xp.where(mask, xp.exp(xp.where(mask, s, 0) - lse_safe), 0)
     delta = (do.astype(work) * o.astype(work)).sum(axis=-1, keepdims=True)
     p_r = round_to(p, dtype, xp)
     dv = _matmul(p_r.transpose(0, 1, 3, 2), do, dtype, xp)
     dp = _matmul(do, v.transpose(0, 1, 3, 2), dtype, xp).astype(work)
-    ds = round_to(p * (dp - delta), dtype, xp)
+    ds = round_to(p * (dp - delta) * dcap, dtype, xp)
     dq = round_to(
         _matmul(ds, k, "float64" if dtype == "float64" else "float32", xp) * scale, dtype, xp
     )
@@ -198,35 +232,34 @@ def _compare(name: str, got: Any, ref: Any, naive: Any, dtype: str, xp: Any) -> 
 # Explicit kernel choices, for tests and benchmarks (the public API always runs the library's)
 
 
-def attention_forward_with(choice: Any, q: Any, k: Any, v: Any, **options: Any) -> tuple:
+def attention_forward_with(
+    choice: Any, q: Any, k: Any, v: Any, alibi_slopes: Any = None, **options: Any
+) -> tuple:
     """(o, lse, plan): cuflash.attention_forward on CUDA arrays through a plan built with
     `choice` (a cuflash._dispatch.KernelChoice), and that plan, to see which kernels it runs.
-    options: causal, scale, layout."""
+    options: causal, window, softcap, scale, layout, as the API takes them."""
     from . import _cuda, _validate, api
 
-    problem, qi, ki, vi = _validate.check_forward(
-        q, k, v, options.get("causal", False), options.get("scale"), options.get("layout", "bshd")
-    )
-    plan = _cuda.ForwardPlan(problem, qi, ki, vi, choice, api.poison_outputs())
-    return (*plan(qi.ptr, ki.ptr, vi.ptr), plan)
+    problem, qi, ki, vi, alibi = _validate.check_forward(q, k, v, alibi_slopes, **options)
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi, choice, api.poison_outputs(), alibi)
+    pointers = [info.ptr for info in (qi, ki, vi, alibi) if info is not None]
+    return (*plan(*pointers), plan)
 
 
 def attention_backward_with(
-    choice: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, **options: Any
+    choice: Any,
+    do: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    alibi_slopes: Any = None,
+    **options: Any,
 ) -> tuple:
     """(dq, dk, dv, plan): as attention_forward_with, for cuflash.attention_backward."""
     from . import _cuda, _validate, api
 
-    problem, *infos = _validate.check_backward(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        options.get("causal", False),
-        options.get("scale"),
-        options.get("layout", "bshd"),
-    )
-    plan = _cuda.BackwardPlan(problem, *infos, choice, api.poison_outputs())
-    return (*plan(*(info.ptr for info in infos)), plan)
+    problem, *infos = _validate.check_backward(do, q, k, v, o, lse, alibi_slopes, **options)
+    plan = _cuda.BackwardPlan(problem, *infos[:6], choice, api.poison_outputs(), infos[6])
+    return (*plan(*(info.ptr for info in infos if info is not None)), plan)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import api
+from . import _validate, api
 
 _LSE_DTYPE = {torch.float64: torch.float64}
 
@@ -39,15 +39,37 @@ def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, ...]:
     return (q.shape[0], q.shape[1], q.shape[2])
 
 
+# The operators take the options in a schema-friendly form: the window as two ints (-1:
+# unbounded), the softcap as a float (0.0: none), the ALiBi slopes as an optional tensor.
+def _api_options(causal, window_left, window_right, softcap, scale, layout) -> dict:
+    return {
+        "causal": causal,
+        "window": None if window_left == window_right == -1 else (window_left, window_right),
+        "softcap": softcap or None,
+        "scale": scale,
+        "layout": layout,
+    }
+
+
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=())
 def _attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)
+    options = _api_options(causal, window_left, window_right, softcap, scale, layout)
+    return api.attention_forward(q, k, v, alibi_slopes=alibi_slopes, **options)
 
 
 @_attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, scale, layout):
+def _attention_forward_fake(q, k, v, alibi_slopes, causal, wl, wr, softcap, scale, layout):
     o = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=_LSE_DTYPE.get(q.dtype, torch.float32))
     return o, lse
@@ -61,33 +83,37 @@ def _attention_backward(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
     causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
     scale: float,
     layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # autograd may hand over a non-contiguous gradient (e.g. from a transpose or an expand)
     do = do if do.stride(-1) == 1 or do.shape[-1] <= 1 else do.contiguous()
-    return api.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, layout=layout)
+    options = _api_options(causal, window_left, window_right, softcap, scale, layout)
+    return api.attention_backward(do, q, k, v, o, lse, alibi_slopes=alibi_slopes, **options)
 
 
 @_attention_backward.register_fake
-def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout):
+def _attention_backward_fake(do, q, k, v, o, lse, alibi_slopes, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, layout = inputs
+    q, k, v, alibi_slopes, *options = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (causal, scale, layout)
+    ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+    ctx.options = options
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    causal, scale, layout = ctx.options
-    dq, dk, dv = _attention_backward(do, q, k, v, o, lse, causal, scale, layout)
-    return dq, dk, dv, None, None, None
+    q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(do, q, k, v, o, lse, alibi_slopes, *ctx.options)
+    return (dq, dk, dv) + (None,) * (1 + len(ctx.options))  # no gradient for slopes or options
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -99,11 +125,28 @@ def attention_forward(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     scale: float | None = None,
     layout: str = "bshd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable :func:`cuflash.attention_forward` (o has a gradient; lse does not)."""
-    return _attention_forward(q, k, v, causal, _resolve_scale(q, scale), layout)
+    """Differentiable :func:`cuflash.attention_forward` (o has a gradient; lse does not, nor do
+    the ALiBi slopes). Options as there."""
+    left, right = _validate.check_window(window, False)
+    softcap = _validate.check_softcap(softcap)
+    return _attention_forward(
+        q,
+        k,
+        v,
+        alibi_slopes,
+        causal,
+        -1 if left is None else left,
+        -1 if right is None else right,
+        0.0 if softcap is None else softcap,
+        _resolve_scale(q, scale),
+        layout,
+    )
 
 
 def attention(
@@ -112,16 +155,30 @@ def attention(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     scale: float | None = None,
     layout: str = "bshd",
 ) -> torch.Tensor:
     """Differentiable exact attention; shapes and semantics as :func:`cuflash.attention`.
 
     ``layout="bshd"``: q ``(B, Nq, Hq, d)``, k/v ``(B, Nk, Hkv, d)``; ``"bhsd"``:
-    ``(B, H, N, d)``. Causal masking is aligned bottom-right (query i sees key j when
-    ``j <= i + Nk - Nq``). Gradients flow to q, k and v.
+    ``(B, H, N, d)``. Causal masking and windows are aligned bottom-right (query i sees key j when
+    ``j <= i + Nk - Nq``); ``window=(left, right)``, ``softcap`` and ``alibi_slopes`` as in
+    :func:`cuflash.attention`. Gradients flow to q, k and v.
     """
-    return attention_forward(q, k, v, causal=causal, scale=scale, layout=layout)[0]
+    return attention_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        layout=layout,
+    )[0]
 
 
 def scaled_dot_product_attention(

@@ -23,6 +23,7 @@ template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int DSPLIT_, i
 struct DkdvTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_, DSPLIT = DSPLIT_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int PITCH = HD + 8;
@@ -45,6 +46,7 @@ struct DkdvBlock {
   unsigned short *sQ, *sdO;
   float *sLse2, *sDelta;
   typename Tr::Mask mask;
+  typename Tr::ScoreMod mod;  // softcap, ALiBi of the current query head (score_mod.cuh)
   int n0, d, lane, key_row0, col0;
   bool vec;
   float scale_log2;
@@ -93,13 +95,16 @@ struct DkdvBlock {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
-        float p = fast_exp2(fmaf(st[0][nt][e], scale_log2, -sLse2[qc]));
+        const int key = n0 + key_row0 + g + ((e >> 1) << 3);
+        float dcap;  // ds'/ds of the softcap
+        const float s = mod(st[0][nt][e], mod.row_pos(m0 + 2 * t + (e & 1)) + float(nt * 8),
+                            float(key), dcap);
+        float p = fast_exp2(fmaf(s, scale_log2, -sLse2[qc]));
         if constexpr (MASKED) {
-          const int key = n0 + key_row0 + g + ((e >> 1) << 3);
           if (!mask.visible(m0 + qc, key)) p = 0.f;
         }
-        st[0][nt][e] = p;                              // P^T
-        dpt[0][nt][e] = p * (dpt[0][nt][e] - sDelta[qc]);  // dS^T
+        st[0][nt][e] = p;                                         // P^T
+        dpt[0][nt][e] = p * (dpt[0][nt][e] - sDelta[qc]) * dcap;  // dS^T
       }
     gemm_pb<Elem, 1, Tr::NT_DW, Tr::K_BM, PITCH>(acc_dv, st, sdO + col0, lane);  // dV += P^T dO_i
     gemm_pb<Elem, 1, Tr::NT_DW, Tr::K_BM, PITCH>(acc_dk, dpt, sQ + col0, lane);  // dK += dS^T Q_i
@@ -107,7 +112,7 @@ struct DkdvBlock {
 };
 
 template <typename Elem, int HD, int BM, int BN, int NWARPS, int DSPLIT, int FEATURES>
-__global__ void __launch_bounds__(NWARPS * 32)
+__global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCKS)
     attention_backward_dkdv_mma(const __grid_constant__ Params p) {
   typedef DkdvTraits<Elem, HD, BM, BN, NWARPS, DSPLIT, FEATURES> Tr;
   constexpr int PITCH = Tr::PITCH;
@@ -171,11 +176,13 @@ __global__ void __launch_bounds__(NWARPS * 32)
         load_a_frags<1, Tr::K_HD, PITCH>(blk.v_frag, blk.sV, lane);
       }
     }
-    const int mb = query_step_at(step, query_tiles(), p.group).tile;
+    const QueryStep at = query_step_at(step, query_tiles(), p.group);
+    if constexpr (Tr::ScoreMod::ANY)
+      blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale));
     if (step < masked_steps)
-      blk.template process_query_tile<true>(mb * BM);
+      blk.template process_query_tile<true>(at.tile * BM);
     else
-      blk.template process_query_tile<false>(mb * BM);
+      blk.template process_query_tile<false>(at.tile * BM);
     if (step + 1 < num_steps) {
       __syncthreads();  // every warp is done with Q_i, dO_i, lse_i, D_i
       load_step(step + 1);
@@ -193,7 +200,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
                                                 1.f, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dkdv_rows<Elem, HD, Tr::HD_WARP>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
+    recompute_dkdv_rows<Elem, HD, Tr::HD_WARP, typename Tr::ScoreMod>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
                                                PITCH, Tr::HD_WARP, repair, scale, blk.scale_log2, p,
                                                bc.batch, bc.head,
                                                head_rows<const unsigned short>(p.k, bc.batch, bc.head),

@@ -20,6 +20,7 @@ template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int FEATURES>
 struct DqTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);
@@ -43,6 +44,7 @@ struct DqBlock {
   const unsigned short *k_head, *v_head;  // the rest of what a tile needs is read from Params
   int m0, lane, warp_row0;
   float scale_log2;
+  typename Tr::ScoreMod mod;  // softcap, ALiBi (score_mod.cuh), in raw units
 
   float lse2[MT][2];   // lse * log2(e) of rows g, g + 8 (+inf for a row that sees no key)
   float delta[MT][2];  // D of the same rows
@@ -50,7 +52,8 @@ struct DqBlock {
   unsigned q_frag[FR ? MT : 1][FR ? Tr::K_HD : 1][4];
   unsigned do_frag[FR ? MT : 1][FR ? Tr::K_HD : 1][4];
 
-  // P = exp(scale S - lse), 0 where the key is invisible.
+  // P = exp(scale S - lse), 0 where the key is invisible, times ds'/ds of the softcap (1 without):
+  // this kernel uses P only in dS = P (dP - D), so the tanh's derivative joins it here.
   template <bool MASKED>
   __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0,
                                                 const Params& p) const {
@@ -62,13 +65,16 @@ struct DqBlock {
       for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float pr = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
+          const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          float dcap;
+          const float sm = mod(s[mt][nt][e], mod.row_pos(i),
+                               float(n0 + 2 * t + (e & 1)) + float(nt * 8), dcap);
+          float pr = fast_exp2(fmaf(sm, scale_log2, -lse2[mt][e >> 1]));
           if constexpr (MASKED) {
-            const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
-            const int j = n0 + nt * 8 + 2 * t + (e & 1);
             if (!mask.visible(i, j)) pr = 0.f;
           }
-          s[mt][nt][e] = pr;
+          s[mt][nt][e] = pr * dcap;
         }
   }
 
@@ -114,7 +120,7 @@ struct DqBlock {
 };
 
 template <typename Elem, int HD, int BM, int BN, int NWARPS, int FEATURES>
-__global__ void __launch_bounds__(NWARPS * 32)
+__global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCKS)
     attention_backward_dq_mma(const __grid_constant__ Params p) {
   typedef DqTraits<Elem, HD, BM, BN, NWARPS, FEATURES> Tr;
   constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
@@ -138,6 +144,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
   blk.m0 = bc.block * BM;
   blk.lane = lane;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
   fill(blk.acc_dq, 0.f);
 
   // This lane's rows: lse in log2 units (a row that sees no key has lse = -inf: use +inf so that
@@ -202,7 +209,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
         head_rows<const unsigned short>(p.dout, bc.batch, bc.head), Rows{blk.k_head, p.k.seq},
         Rows{blk.v_head, p.v.seq}, head_rows<const float>(p.lse, bc.batch, bc.head),
         head_rows<const float>(p.delta, bc.batch, bc.head), blk.m0 + blk.warp_row0,
-        Tr::Mask::of(p), d, lane);
+        Tr::Mask::of(p), blk.mod, d, lane);
   }
   __syncthreads();
   unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);

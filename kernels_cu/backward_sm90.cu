@@ -29,6 +29,10 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BM * 2, 1)
     attention_backward_dq_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
+  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
+  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  typedef typename Features<FEATURES>::template ScoreMod<> Mod;
+  static_assert(!Mod::ANY, "no score modifiers on this path");
   constexpr int NTHREADS = BM * 2, NT_D = HD / 8;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, PITCH = HD + 8;
   static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % 16 == 0, "wgmma tile shapes");
@@ -46,7 +50,6 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const int m0 = bc.block * BM, warp_row0 = warp * 16;
   const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
   const bool use_vec = p.vec != 0;
-  const Mask mask = Mask::of(p);
 
   Sm90DqRows<Elem, HD, BM, BN, Mask> rows;
   rows.sQ = sQ;
@@ -62,14 +65,14 @@ __global__ void __launch_bounds__(BM * 2, 1)
       const int row = m0 + warp_row0 + (lane >> 2) + 8 * r;
       rows.lse2[r] = lse2_of_row(row < nq ? *lse.row(row) : 0.f, row < nq);
       rows.dlt[r] = row < nq ? *delta.row(row) : 0.f;
-      rows.keys[r] = mask.keys_of(row);
     }
   }
+  rows.row0 = m0 + warp_row0 + (lane >> 2);
   rows.clear();
 
   const Rows k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
   const Rows v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
-  const TileRange tiles = mask.key_tiles(m0, BM, BN);
+  const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
   load_tile_swizzled<BM, HD, NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
                                        p.q.seq, m0, nq, d, use_vec);
   load_tile_swizzled<BM, HD, NTHREADS>(sdO, head_ptr<const unsigned short>(p.dout, bc.batch, bc.head),
@@ -98,7 +101,8 @@ __global__ void __launch_bounds__(BM * 2, 1)
                                            d, use_vec);
       cp_async_commit();
     }
-    rows.step(it < masked_tiles, j * BN, sK + (it & 1) * KV_BYTES, sV + (it & 1) * KV_BYTES);
+    rows.step(it < masked_tiles, j * BN, sK + (it & 1) * KV_BYTES, sV + (it & 1) * KV_BYTES,
+              Mask::of(p));
     if (it == masked_tiles - 1)
       repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(rows.acc_dq));
   }
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
                                    head_rows<const unsigned short>(p.dout, bc.batch, bc.head),
                                    k_rows, v_rows, head_rows<const float>(p.lse, bc.batch, bc.head),
                                    head_rows<const float>(p.delta, bc.batch, bc.head),
-                                   m0 + warp_row0, mask, d, lane);
+                                   m0 + warp_row0, Mask::of(p), Mod{}, d, lane);
   }
   __syncthreads();
   unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
@@ -132,6 +136,10 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BN * 2, 1)
     attention_backward_dkdv_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
+  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
+  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  typedef typename Features<FEATURES>::template ScoreMod<> Mod;
+  static_assert(!Mod::ANY, "no score modifiers on this path");
   // BN keys per block (64 per warpgroup), query tiles of BM rows.
   constexpr int NTHREADS = BN * 2, NT_D = HD / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2, PITCH = HD + 8;
@@ -151,7 +159,6 @@ __global__ void __launch_bounds__(BN * 2, 1)
   const int n0 = bc.block * BN, key_row0 = warp * 16;
   const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim, group = p.group;
   const bool use_vec = p.vec != 0;
-  const Mask mask = Mask::of(p);
 
   Sm90DkdvKeys<Elem, HD, BM, BN, Mask> keys;
   keys.sK = sK;
@@ -160,7 +167,7 @@ __global__ void __launch_bounds__(BN * 2, 1)
   keys.lane = lane;
   keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) keys.queries[r] = mask.queries_of(n0 + key_row0 + (lane >> 2) + 8 * r);
+  keys.key0 = n0 + key_row0 + (lane >> 2);
   keys.clear();
 
   load_tile_swizzled<BN, HD, NTHREADS>(sK, head_ptr<const unsigned short>(p.k, bc.batch, bc.head),
@@ -169,7 +176,7 @@ __global__ void __launch_bounds__(BN * 2, 1)
                                        p.v.seq, n0, nk, d, use_vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
-  const TileRange tiles = mask.query_tiles(n0, BN, BM);
+  const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
   const int num_steps = group * tiles.count(), masked_steps = masked_query_steps(tiles, group);
   // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
   // Masked tiles of every head come first (mask.cuh, query_step_at).
@@ -207,7 +214,7 @@ __global__ void __launch_bounds__(BN * 2, 1)
     if (step + 1 < num_steps) load_step(step + 1, stage ^ 1);
     const int m0 = query_step_at(step, tiles, group).tile * BM;
     keys.step(step < masked_steps, m0, sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES,
-              sLse2 + stage * BM, sDelta + stage * BM);
+              sLse2 + stage * BM, sDelta + stage * BM, Mask::of(p));
     if (step == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
   }
 
@@ -223,11 +230,11 @@ __global__ void __launch_bounds__(BN * 2, 1)
                                            reinterpret_cast<float (&)[1][NT_D][4]>(keys.acc_dv), 1.f, lane);
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
-    recompute_dkdv_rows<Elem, HD, HD>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, HD,
+    recompute_dkdv_rows<Elem, HD, HD, Mod>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, HD,
                                       repair, scale, keys.scale_log2, p, bc.batch, bc.head,
                                       head_rows<const unsigned short>(p.k, bc.batch, bc.head),
                                       head_rows<const unsigned short>(p.v, bc.batch, bc.head),
-                                      n0 + key_row0, 0, mask, lane);
+                                      n0 + key_row0, 0, Mask::of(p), lane);
   }
   __syncthreads();
   store_tile<BN, HD, PITCH, NTHREADS>(head_ptr<unsigned short>(p.dk, bc.batch, bc.head), s_dk,

@@ -70,7 +70,7 @@ struct Sm90DqRows {
   int wg, lane;
   float scale_log2;
   float lse2[2], dlt[2];  // this lane's rows g and g + 8: lse in log2 units (lse2_of_row) and D
-  Bounds keys[2];         // the keys each of the two rows sees (Mask::keys_of)
+  int row0;               // this lane's row g in the sequence (its rows are g and g + 8)
   float acc_dq[NT_D][4];
   float s[NT_S][4], dp[NT_S][4];
 
@@ -92,10 +92,14 @@ struct Sm90DqRows {
 
   // dS = P (dP - D), P = exp2(S scale_log2 - lse2), for keys n0 .. n0 + BN - 1; `masked`: the
   // tile straddles a bound of the mask or the end of the keys. The scores group must be complete.
-  __device__ __forceinline__ void gradients(bool masked, int n0, Frags& ds) {
+  // The rows' key bounds are found here, on masked tiles only: held through the loop they took
+  // the registers that the windowed (LOCAL) instances then spilled.
+  __device__ __forceinline__ void gradients(bool masked, int n0, Frags& ds, const Mask& mask) {
     fence_accumulators(s);
     fence_accumulators(dp);
     const int col0 = n0 + 2 * (lane & 3);
+    Bounds keys[2];
+    if (masked) keys[0] = mask.keys_of(row0), keys[1] = mask.keys_of(row0 + 8);
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
@@ -117,11 +121,11 @@ struct Sm90DqRows {
 
   // One key tile, every group waited for.
   __device__ __forceinline__ void step(bool masked, int n0, const unsigned char* k_tile,
-                                       const unsigned char* v_tile) {
+                                       const unsigned char* v_tile, const Mask& mask) {
     Frags ds;
     issue_scores(k_tile, v_tile);
     wgmma_wait<0>();
-    gradients(masked, n0, ds);
+    gradients(masked, n0, ds, mask);
     issue_dq(ds, k_tile);
     wgmma_wait<0>();
     fence_accumulators(acc_dq);
@@ -144,7 +148,7 @@ struct Sm90DkdvKeys {
   const unsigned char *sK, *sV;
   int wg, lane;
   float scale_log2;
-  Bounds queries[2];  // this lane's keys g and g + 8: the queries that see them (Mask::queries_of)
+  int key0;           // this lane's key g in the sequence (its keys are g and g + 8)
   float acc_dk[NT_D][4], acc_dv[NT_D][4];
 
   __device__ __forceinline__ int col0() const { return SHARED_KEYS ? wg * COLS : 0; }
@@ -177,12 +181,14 @@ struct Sm90DkdvKeys {
   }
 
   // Query rows m0 .. m0 + BM - 1 with their lse2 and D; `masked`: the tile straddles a bound of the
-  // mask.
+  // mask (the keys' query bounds are found here, as in Sm90DqRows::gradients).
   __device__ __forceinline__ void probabilities(bool masked, int m0, const float* lse2,
-                                                const float* dlt, Frags& f) {
+                                                const float* dlt, Frags& f, const Mask& mask) {
     const int t = lane & 3;
     fence_accumulators(st);
     fence_accumulators(dpt);
+    Bounds queries[2];
+    if (masked) queries[0] = mask.queries_of(key0), queries[1] = mask.queries_of(key0 + 8);
 #pragma unroll
     for (int nt = 0; nt < NT_Q; ++nt)
 #pragma unroll
@@ -218,11 +224,11 @@ struct Sm90DkdvKeys {
   // One query tile, every group waited for.
   __device__ __forceinline__ void step(bool masked, int m0, const unsigned char* q_tile,
                                        const unsigned char* do_tile, const float* lse2,
-                                       const float* dlt) {
+                                       const float* dlt, const Mask& mask) {
     Frags f;
     issue_scores(q_tile, do_tile);
     wgmma_wait<0>();
-    probabilities(masked, m0, lse2, dlt, f);
+    probabilities(masked, m0, lse2, dlt, f, mask);
     issue_grads(f, q_tile, do_tile);
     wgmma_wait<0>();
     fence_accumulators(acc_dv);

@@ -82,6 +82,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_backward_dq_tma(const __grid_constant__ BackwardMaps maps,
                               const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
+  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
+  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  typedef typename Features<FEATURES>::template ScoreMod<> Mod;
+  static_assert(!Mod::ANY, "no score modifiers on this path");
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
@@ -169,14 +173,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const int row = warp_row0 + (lane >> 2) + 8 * r;
       rows.lse2[r] = s_lse2[buf * BM + row];
       rows.dlt[r] = s_delta[buf * BM + row];
-      rows.keys[r] = Mask::of(p).keys_of(m0 + row);
     }
+    rows.row0 = m0 + warp_row0 + (lane >> 2);
     rows.clear();
     for (int it = 0; it < count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.kv_full[stage], (pipe / STAGES) & 1);
       rows.step(it < masked_tiles, tiles.at(it) * BN, sK + stage * KV_BYTES,
-                sV + stage * KV_BYTES);
+                sV + stage * KV_BYTES, Mask::of(p));
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);
       if (it == masked_tiles - 1)
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           head_rows<const unsigned short>(p.k, bc.batch, kv_head),
           head_rows<const unsigned short>(p.v, bc.batch, kv_head),
           head_rows<const float>(p.lse, bc.batch, bc.head),
-          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), d, lane);
+          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), Mod{}, d, lane);
     }
   }
 }
@@ -219,6 +223,10 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     attention_backward_dkdv_tma(const __grid_constant__ BackwardMaps maps,
                                 const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
+  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
+  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  typedef typename Features<FEATURES>::template ScoreMod<> Mod;
+  static_assert(!Mod::ANY, "no score modifiers on this path");
   // BN keys per block (64 per consumer warpgroup; at HD = 256, 64 shared by two warpgroups that
   // split the head dim), query tiles of BM rows.
   constexpr bool SPLIT = HD > 128;
@@ -308,7 +316,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     const int masked_steps = masked_query_steps(tiles, p.group);
     unsigned repair = 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) keys.queries[r] = Mask::of(p).queries_of(n0 + key_row0 + (lane >> 2) + 8 * r);
+    keys.key0 = n0 + key_row0 + (lane >> 2);
     keys.clear();
     const int buf = acquire_to_read(bar.kv_full, round);
     keys.sK = sK + buf * KEYS_BYTES;
@@ -318,7 +326,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
       mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
       keys.step(s < masked_steps, query_step_at(s, tiles, p.group).tile * BM,
                 sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
-                s_delta + stage * BM);
+                s_delta + stage * BM, Mask::of(p));
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       if (s == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
     }
@@ -337,7 +345,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
       // dk and dv are allocated alike: one row stride for both
-      recompute_dkdv_rows<Elem, HD, Keys::COLS>(
+      recompute_dkdv_rows<Elem, HD, Keys::COLS, Mod>(
           dk_head - col0 + key0 * p.dk.seq, dv_head - col0 + key0 * p.dv.seq, p.dk.seq,
           min(cols, Keys::COLS), repair, scale, keys.scale_log2, p, bc.batch, bc.head,
           head_rows<const unsigned short>(p.k, bc.batch, bc.head),

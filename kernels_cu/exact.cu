@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(BM * TPR, 1)
     attention_forward_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<Acc, true> Mod;  // scores in final units
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * PITCH;
@@ -90,6 +91,8 @@ __global__ void __launch_bounds__(BM * TPR, 1)
 
   const TileRange tiles = mask.key_tiles(m0, BM, BN);
   const Bounds keys = mask.keys_of(row);
+  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0);
+  const Acc row_pos = mod.row_pos(row);
   Acc m = -inf_f64(), l = 0.0, acc[DPT];
 #pragma unroll
   for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
@@ -104,11 +107,12 @@ __global__ void __launch_bounds__(BM * TPR, 1)
     Acc mx = -inf_f64();
     unsigned visible = 0;
 #pragma unroll
-    for (int jj = 0; jj < KPT; ++jj) {  // S = scale Q K^T, -inf where invisible
+    for (int jj = 0; jj < KPT; ++jj) {  // S = scale Q K^T, modified; -inf where invisible
       const int key = c + TPR * jj;
       const bool vis = !mask.key_hidden(n0 + key, keys);
       visible |= unsigned(vis) << jj;
-      s[jj] = vis ? scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) : -inf_f64();
+      s[jj] = vis ? mod(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH), row_pos, Acc(n0 + key))
+                  : -inf_f64();
       mx = fmax(mx, s[jj]);
     }
     const Acc m_new = fmax(m, group_max<TPR>(mx));
@@ -144,6 +148,7 @@ __global__ void __launch_bounds__(BN * TPR, 1)
     attention_backward_dkdv_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BN * TPR, DPT = HD / TPR, QPT = BM / TPR;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<Acc, true> Mod;  // scores in final units
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Acc* sLse = reinterpret_cast<Acc*>(smem_raw);  // first: 8-byte aligned
   Acc* sDelta = sLse + BM;
@@ -180,6 +185,7 @@ __global__ void __launch_bounds__(BN * TPR, 1)
     load_tile<BM, HD, PITCH, NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, false);
     const HeadRows<const T> lse = head_rows<const T>(p.lse, bc.batch, head);
     const HeadRows<const Acc> delta = head_rows<const Acc>(p.delta, bc.batch, head);
+    const Mod mod = Mod::of(p, bc.batch, head, 1.0);
     for (int x = threadIdx.x; x < BM; x += NTHREADS) {
       Acc lx = inf_f64(), dx = 0.0;  // padded rows and rows that see no key: P = 0
       if (m0 + x < nq) {
@@ -198,10 +204,14 @@ __global__ void __launch_bounds__(BN * TPR, 1)
       const int qi = c + TPR * jj;
       const bool vis = m0 + qi < nq && !mask.query_hidden(m0 + qi, queries);
       visible |= unsigned(vis) << jj;
-      const Acc pij = vis ? exp(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH) - sLse[qi]) : 0.0;
+      Acc dcap = 1.0;  // ds'/ds of the softcap
+      const Acc pij =
+          vis ? exp(mod(scale * row_dot<HD>(sK + r * PITCH, sQ + qi * PITCH), mod.row_pos(m0 + qi),
+                        Acc(key), dcap) - sLse[qi])
+              : 0.0;
       const Acc dpij = row_dot<HD>(sV + r * PITCH, sdO + qi * PITCH);
       pt[jj] = pij;
-      ds[jj] = pij * (dpij - sDelta[qi]);
+      ds[jj] = pij * (dpij - sDelta[qi]) * dcap;
     }
     accumulate_rows<BM, HD, TPR, PITCH>(acc_dv, pt, visible, sdO, c);  // dV += P^T dO
     accumulate_rows<BM, HD, TPR, PITCH>(acc_dk, ds, visible, sQ, c);   // dK += dS^T Q
@@ -224,6 +234,7 @@ __global__ void __launch_bounds__(BM * TPR, 1)
     attention_backward_dq_exact(const __grid_constant__ Params p) {
   constexpr int PITCH = HD + 1, NTHREADS = BM * TPR, DPT = HD / TPR, KPT = BN / TPR;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<Acc, true> Mod;  // scores in final units
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + BM * PITCH;
@@ -255,6 +266,8 @@ __global__ void __launch_bounds__(BM * TPR, 1)
   for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
   const TileRange tiles = mask.key_tiles(m0, BM, BN);
   const Bounds keys = mask.keys_of(row);
+  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0);
+  const Acc row_pos = mod.row_pos(row);
   for (int j = tiles.begin; j < tiles.end; ++j) {
     const int n0 = j * BN;
     __syncthreads();
@@ -268,8 +281,12 @@ __global__ void __launch_bounds__(BM * TPR, 1)
       const int key = c + TPR * jj;
       const bool vis = !mask.key_hidden(n0 + key, keys);
       visible |= unsigned(vis) << jj;
-      const Acc pij = vis ? exp(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH) - lse_row) : 0.0;
-      ds[jj] = pij * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row);
+      Acc dcap = 1.0;  // ds'/ds of the softcap
+      const Acc pij =
+          vis ? exp(mod(scale * row_dot<HD>(sQ + r * PITCH, sK + key * PITCH), row_pos,
+                        Acc(n0 + key), dcap) - lse_row)
+              : 0.0;
+      ds[jj] = pij * (row_dot<HD>(sdO + r * PITCH, sV + key * PITCH) - delta_row) * dcap;
     }
     accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, visible, sK, c);  // dQ += dS K
   }

@@ -21,6 +21,7 @@ template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int FEATURES>
 struct ForwardTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);  // 16-row m tiles per warp
@@ -43,6 +44,7 @@ struct ForwardBlock {
   unsigned short *sQ, *sK, *sV;  // sQ points at this warp's first row
   Rows k_rows, v_rows;
   Mask mask;
+  typename Tr::ScoreMod mod;  // softcap, ALiBi (score_mod.cuh), in raw units
   int m0, d, lane, warp_row0;
   bool vec;
   float scale_log2;
@@ -90,6 +92,7 @@ struct ForwardBlock {
     }
     float s[MT][NT_S][4];
     scores_tile(s);
+    mod.apply(s, m0 + warp_row0 + (lane >> 2), j * Tr::BN + 2 * (lane & 3));
     if constexpr (MASKED) apply_mask(s, j * Tr::BN);
     softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised)
     cp_async_wait<0>();
@@ -104,7 +107,7 @@ struct ForwardBlock {
 };
 
 template <typename Elem, int HD, int BM, int BN, int NWARPS, int FEATURES>
-__global__ void __launch_bounds__(NWARPS * 32)
+__global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCKS)
     attention_forward_mma(const __grid_constant__ Params p) {
   typedef ForwardTraits<Elem, HD, BM, BN, NWARPS, FEATURES> Tr;
   constexpr int MT = Tr::MT, PITCH = Tr::PITCH;
@@ -129,6 +132,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
   blk.lane = lane;
   blk.vec = p.vec != 0;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
   fill(blk.acc_o, 0.f);
   // p_shift: P is scaled by 2^-p_shift so that the unnormalised accumulator cannot overflow
   // (softmax.cuh); the host passes ceil(log2 Nk) for bfloat16 and 0 for float16. A kernel
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
     recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, HD, repair, lse_rows, blk.scale_log2,
                                          head_rows<const unsigned short>(p.q, bc.batch, bc.head),
                                          blk.k_rows, blk.v_rows, blk.m0 + blk.warp_row0, blk.mask,
-                                         d, lane);
+                                         blk.mod, d, lane);
   }
   __syncthreads();
   unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);

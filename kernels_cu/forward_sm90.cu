@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   blk.warp_row0 = warp * 16;
   blk.wg = warp >> 2;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
   fill(blk.acc_o, 0.f);
   blk.softmax.init(p.p_shift);  // see forward.cu
 
@@ -104,7 +105,8 @@ __global__ void __launch_bounds__(BM * 2, 1)
                                         lse_rows, blk.scale_log2,
                                         head_rows<const unsigned short>(p.q, bc.batch, bc.head),
                                         Rows{k_head, p.k.seq}, Rows{v_head, p.v.seq},
-                                        blk.m0 + blk.warp_row0, Tr::Mask::of(p), p.head_dim, blk.lane);
+                                        blk.m0 + blk.warp_row0, Tr::Mask::of(p), blk.mod, p.head_dim,
+                                        blk.lane);
   }
   __syncthreads();
   unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);

@@ -18,6 +18,7 @@ namespace cuflash {
 template <typename Elem, int HD, int BM, int BN, int FEATURES>
 struct Sm90ForwardTraits {
   typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr int WARPGROUPS = BM / 64;
   static constexpr int NTHREADS = WARPGROUPS * 128;
   static constexpr int NT_S = BN / 8, NT_O = HD / 8;
@@ -34,6 +35,7 @@ struct Sm90ForwardBlock {
   const unsigned char *sQ, *sK, *sV;  // sQ: the whole Q tile; sK, sV: stage 0 (stage s at + s KV_BYTES)
   int m0, lane, warp_row0, wg;
   float scale_log2;
+  typename Tr::ScoreMod mod;  // softcap, ALiBi (score_mod.cuh), in raw units
   float acc_o[1][Tr::NT_O][4];
   OnlineSoftmax<1> softmax;
 
@@ -74,6 +76,7 @@ struct Sm90ForwardBlock {
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(s[0]);
+    mod.apply(s, m0 + warp_row0 + (lane >> 2), j * BN + 2 * (lane & 3));
     if constexpr (MASKED) apply_mask(s, j * BN, mask);
     softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
 #pragma unroll

@@ -192,8 +192,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    blk.m0 = decode_paired_work(item, p.heads_q, p.num_blocks).block * BM - p.row_shift;
+    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+    blk.m0 = bc.block * BM - p.row_shift;
     if (blk.m0 + BM <= 0) continue;  // an empty slot, skipped by the producer too
+    blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
     fill(blk.acc_o, 0.f);
     blk.softmax.init(p.p_shift);  // see forward.cu
     const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
@@ -231,7 +233,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // from registers) and lse.
     float lse_rows[1][2];
     blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
-    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
     unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
     float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           o_head + row0 * p.o.seq, p.o.seq, p.head_dim, repair, lse_rows, blk.scale_log2,
           head_rows<const unsigned short>(p.q, bc.batch, bc.head),
           head_rows<const unsigned short>(p.k, bc.batch, kv_head),
-          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, Tr::Mask::of(p),
+          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, Tr::Mask::of(p), blk.mod,
           p.head_dim, lane);
     }
   }

@@ -20,15 +20,13 @@ struct Params {
   // delta (D = rowsum(dO * O)); dK/dV and dQ read q, k, v, dout, lse and delta and write dk, dv, dq.
   TensorRef q, k, v, o, dout, dq, dk, dv;
   TensorRef lse, delta;  // one value per (batch, head, row): the seq stride steps the rows
-  // Score modifiers and per-sequence extents, for the features built on this core; 0 and null
-  // select none (dense attention).
-  const float* alibi_slopes;  // (batch, heads_q) slopes, batch stride alibi_batch_stride
-  i64 alibi_batch_stride;
+  TensorRef alibi;       // ALiBi: float32 slopes, one per (batch, query head); seq stride unused
+  // Per-sequence extents, for the features built on this core; null selects none.
   const int* cu_seqlens_q;  // packed sequences: row offsets of each sequence (batch + 1)
   const int* cu_seqlens_k;
   const int* seqused_k;     // keys in use per sequence (a KV cache)
   double scale;             // S = scale * q . k
-  double softcap;           // S = softcap * tanh(S / softcap) where > 0
+  double softcap;           // softcap c: S = c tanh(S / c) (the SOFTCAP feature, score_mod.cuh)
   int batch, heads_q, heads_kv, group;  // group = heads_q / heads_kv
   int seq_q, seq_k, head_dim;
   // The mask (mask.cuh): query i sees key j iff i + seq_k - seq_q - window_left <= j <=

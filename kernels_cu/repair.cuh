@@ -25,6 +25,7 @@
 #include "params.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "score_mod.cuh"
 
 namespace cuflash {
 
@@ -173,12 +174,12 @@ __device__ __forceinline__ void lane_store(unsigned short* dst, const float (&ou
 // (correct: the scores are masked with a select, so no 0 * NaN reaches it), and written over their
 // normalised rows (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile in
 // shared memory, or O itself). lse_rows: this lane's rows' lse (natural log).
-template <typename Elem, int HD, int MT, typename Mask, typename Pitch>
+template <typename Elem, int HD, int MT, typename Mask, typename Mod, typename Pitch>
 __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitch pitch, int width,
                                                        unsigned rows, const float (&lse_rows)[MT][2],
                                                        float scale_log2, const Rows& q, const Rows& k,
                                                        const Rows& v, int row0, const Mask& mask,
-                                                       int d, int lane) {
+                                                       const Mod& mod, int d, int lane) {
   constexpr int CPL = (HD + 31) / 32;  // columns per lane
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
@@ -194,8 +195,9 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
     const Bounds keys = mask.keys_of(i);
 #pragma unroll 1
     for (int j = keys.first; j <= keys.last; ++j) {
-      const float p = fast_exp2(fmaf(warp_sum(lane_dot<Elem, CPL>(q_row, k.row(j), d, lane)),
-                                     scale_log2, -lse2));
+      const float s = mod(warp_sum(lane_dot<Elem, CPL>(q_row, k.row(j), d, lane)), mod.row_pos(i),
+                          float(j));
+      const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
       lane_axpy<Elem, CPL>(acc, p, v.row(j), 0, HD, d, lane);
     }
     lane_store<Elem, CPL>(out + rl * pitch, acc, 1.f, width, lane);
@@ -206,13 +208,14 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
 // dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp2(s_ij scale_log2 - lse2_i), written over the dQ rows
 // (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile or dQ). lse and
 // delta: the head's rows of lse and D.
-template <typename Elem, int HD, int MT, typename Mask, typename Pitch>
+template <typename Elem, int HD, int MT, typename Mask, typename Mod, typename Pitch>
 __device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pitch, int width,
                                                   unsigned rows, float scale, float scale_log2,
                                                   const Rows& q, const Rows& dout, const Rows& k,
                                                   const Rows& v, const HeadRows<const float>& lse,
                                                   const HeadRows<const float>& delta, int row0,
-                                                  const Mask& mask, int d, int lane) {
+                                                  const Mask& mask, const Mod& mod, int d,
+                                                  int lane) {
   constexpr int CPL = (HD + 31) / 32;
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
@@ -227,10 +230,12 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pit
 #pragma unroll 1
     for (int j = keys.first; j <= keys.last; ++j) {
       const unsigned short *k_row = k.row(j), *v_row = v.row(j);
-      const float s = warp_sum(lane_dot<Elem, CPL>(q_row, k_row, d, lane));
+      float dcap;
+      const float s = mod(warp_sum(lane_dot<Elem, CPL>(q_row, k_row, d, lane)), mod.row_pos(i),
+                          float(j), dcap);
       const float dp = warp_sum(lane_dot<Elem, CPL>(do_row, v_row, d, lane));
       const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
-      lane_axpy<Elem, CPL>(acc, p * (dp - dlt), k_row, 0, HD, d, lane);
+      lane_axpy<Elem, CPL>(acc, p * (dp - dlt) * dcap, k_row, 0, HD, d, lane);
     }
     lane_store<Elem, CPL>(out + rl * pitch, acc, scale, width, lane);
   }
@@ -240,8 +245,8 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pit
 // whole over the query rows that see them, of the query heads of key/value head `kv_head` of
 // sequence `batch`: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the rows
 // (key row rl of this warp at out_dk / out_dv + rl * pitch, columns [col0, col0 + width): staging
-// tiles, or dK and dV themselves).
-template <typename Elem, int HD, int W, typename Mask, typename Pitch>
+// tiles, or dK and dV themselves). Mod: the ScoreMod type, built per query head.
+template <typename Elem, int HD, int W, typename Mod, typename Mask, typename Pitch>
 __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsigned short* out_dv,
                                                     Pitch pitch, int width, unsigned rows, float scale,
                                                     float scale_log2, const Params& p, int batch,
@@ -264,14 +269,17 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsi
       const Rows dout = head_rows<const unsigned short>(p.dout, batch, h);
       const HeadRows<const float> lse = head_rows<const float>(p.lse, batch, h);
       const HeadRows<const float> delta = head_rows<const float>(p.delta, batch, h);
+      const Mod mod = Mod::of(p, batch, h, static_cast<float>(p.scale));
 #pragma unroll 1
       for (int i = queries.first; i <= queries.last; ++i) {
         const unsigned short *q_row = q.row(i), *do_row = dout.row(i);
-        const float s = warp_sum(lane_dot<Elem, CPL>(k_row, q_row, d, lane));
+        float dcap;
+        const float s = mod(warp_sum(lane_dot<Elem, CPL>(k_row, q_row, d, lane)), mod.row_pos(i),
+                            float(j), dcap);
         const float dp = warp_sum(lane_dot<Elem, CPL>(v_row, do_row, d, lane));
         const float pr = fast_exp2(fmaf(s, scale_log2, -lse_log2(*lse.row(i))));
         lane_axpy<Elem, OPL>(acc_dv, pr, do_row, col0, W, d, lane);
-        lane_axpy<Elem, OPL>(acc_dk, pr * (dp - *delta.row(i)), q_row, col0, W, d, lane);
+        lane_axpy<Elem, OPL>(acc_dk, pr * (dp - *delta.row(i)) * dcap, q_row, col0, W, d, lane);
       }
     }
     lane_store<Elem, OPL>(out_dk + rl * pitch + col0, acc_dk, scale, width, lane);

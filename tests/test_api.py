@@ -322,3 +322,129 @@ def test_nan_in_q_or_k_reaches_exactly_the_rows_it_touches(where, causal):
     ):
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows, softcap and ALiBi (the masks issue)
+
+MODS = [
+    dict(window=(5, 3)),
+    dict(window=(0, None), causal=True),
+    dict(window=(-1, 0)),
+    dict(softcap=0.7),
+    dict(alibi="head"),
+    dict(window=(12, 2), softcap=4.0, alibi="batch"),
+]
+
+
+def _with_slopes(mods: dict, b: int = 2, hq: int = 4) -> dict:
+    options = dict(mods)
+    kind = options.pop("alibi", None)
+    if kind is not None:
+        shape = (hq,) if kind == "head" else (b, hq)
+        options["alibi_slopes"] = RNG.uniform(0.0, 0.5, shape).astype(np.float32)
+    return options
+
+
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_score_options_match_reference(mods, dtype):
+    q, k, v = qkv(dtype=dtype)
+    options = _with_slopes(mods)
+    o, lse = cuflash.attention_forward(q, k, v, scale=0.3, **options)
+    o_ref, lse_ref = reference.forward(q, k, v, scale=0.3, **options)
+    assert_rounded_from(o, o_ref)
+    finite = np.isfinite(lse_ref)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=1e-6)
+    do = randn(*q.shape, dtype=dtype)
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, scale=0.3, **options)
+    ref = reference.backward(do, q, k, v, o, lse, scale=0.3, **options)
+    tol = {np.float32: 1e-6, np.float64: 1e-12}[dtype]
+    for got, want in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_window_bounds_spelled_none_or_minus_one_agree():
+    q, k, v = qkv()
+    a = cuflash.attention(q, k, v, window=(None, 3))
+    np.testing.assert_array_equal(a, cuflash.attention(q, k, v, window=(-1, 3)))
+    np.testing.assert_array_equal(a, cuflash.attention(q, k, v, window=[-1, 3]))
+    # no window at all, and one wider than both sequences
+    np.testing.assert_array_equal(
+        cuflash.attention(q, k, v), cuflash.attention(q, k, v, window=(1000, 1000))
+    )
+    # causal sets the right bound to 0
+    np.testing.assert_array_equal(
+        cuflash.attention(q, k, v, causal=True, window=(4, 9)),
+        cuflash.attention(q, k, v, window=(4, 0)),
+    )
+
+
+def test_rows_outside_the_window_see_nothing():
+    q, k, v = randn(30, 8), randn(10, 8), randn(10, 8)
+    o, lse = cuflash.attention_forward(q, k, v, window=(0, 0))
+    assert np.all(o[:20] == 0) and np.all(np.isneginf(lse[:20]))
+    np.testing.assert_array_equal(o[20:], v)  # one key each, weight 1
+    dq, dk, dv = cuflash.attention_backward(randn(30, 8), q, k, v, o, lse, window=(0, 0))
+    assert np.all(dq[:20] == 0) and all(np.isfinite(g).all() for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize(
+    "window,exc,words",
+    [
+        ((1, 2, 3), TypeError, ("window must be None or a pair (left, right)", "tuple")),
+        (5, TypeError, ("window must be None or a pair", "int 5")),
+        ((1.5, 2), TypeError, ("window['left'] must be an int >= 0, -1 or None", "float 1.5")),
+        ((0, True), TypeError, ("window['right'] must be an int", "bool True")),
+        ((-2, 0), ValueError, ("window's left bound must be >= 0, or -1 / None", "got -2")),
+        ((3, -5), ValueError, ("window's right bound must be >= 0", "got -5")),
+    ],
+)
+def test_error_bad_window(window, exc, words):
+    with raises(exc, *words):
+        cuflash.attention(*qkv(), window=window)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("nan"), float("inf")])
+def test_error_bad_softcap_value(softcap):
+    with raises(ValueError, "softcap must be a finite number > 0", repr(float(softcap))):
+        cuflash.attention(*qkv(), softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", ["30", True, [30.0]])
+def test_error_bad_softcap_type(softcap):
+    with raises(TypeError, "softcap must be a real number > 0 or None"):
+        cuflash.attention(*qkv(), softcap=softcap)
+
+
+def test_error_bad_alibi_slopes():
+    q, k, v = qkv()  # B = 2, Hq = 4
+    good = np.ones(4, np.float32)
+    with raises(TypeError, "alibi_slopes must have dtype float32", "float64"):
+        cuflash.attention(q, k, v, alibi_slopes=good.astype(np.float64))
+    with raises(
+        ValueError, "alibi_slopes must have shape (Hq,) = (4,) or (B, Hq) = (2, 4)", "(2,)"
+    ):
+        cuflash.attention(q, k, v, alibi_slopes=good[:2])
+    with raises(ValueError, "(B, Hq) = (2, 4)", "(4, 2)"):
+        cuflash.attention(q, k, v, alibi_slopes=np.ones((4, 2), np.float32))
+    with raises(TypeError, "alibi_slopes must be an array that supports DLPack"):
+        cuflash.attention(q, k, v, alibi_slopes=[1.0, 1.0, 1.0, 1.0])
+    with raises(ValueError, "alibi_slopes is on cuda:0 but q is on cpu"):
+        cuflash.attention(
+            *(FakeDLPack(x) for x in (q, k, v)), alibi_slopes=FakeDLPack(good, device=(2, 0))
+        )
+    o, lse = cuflash.attention_forward(q, k, v, alibi_slopes=good)
+    with raises(ValueError, "alibi_slopes must have shape"):
+        cuflash.attention_backward(randn(*q.shape), q, k, v, o, lse, alibi_slopes=good[:3])
+
+
+def test_strided_slopes_are_read_in_place():
+    q, k, v = qkv()
+    wide = RNG.uniform(0, 0.5, (2, 8)).astype(np.float32)
+    strided = wide[:, ::2]  # (B, Hq) with a head stride of 2
+    np.testing.assert_array_equal(
+        cuflash.attention(q, k, v, alibi_slopes=strided),
+        cuflash.attention(q, k, v, alibi_slopes=np.ascontiguousarray(strided)),
+    )

@@ -124,3 +124,27 @@ def test_every_chosen_instance_is_compile_checked(dtype):
                             launches += [fam.aligned, fam.unaligned]
                         for launch in launches:
                             assert launch.spec.name_expression in checked, launch.spec
+
+
+def test_features_of_a_problem_pick_the_instances():
+    from cuflash import _kernels
+
+    dense = problem(head_dim=128, window=(None, 0))
+    assert _dispatch.features(dense) == 0  # causal: the right bound is in every instance
+    window = problem(head_dim=128, window=(100, 0))
+    assert _dispatch.features(window) == _kernels.FEATURE_LOCAL
+    wide = problem(head_dim=128, seq_q=50, seq_k=60, window=(110, 0))  # wider than both
+    assert _dispatch.features(wide) == 0
+    mods = problem(head_dim=128, window=(100, 3), softcap=30.0, alibi=True)
+    assert _dispatch.features(mods) == 7
+    # windows keep the TMA kernels; softcap and ALiBi run their backward on mma.sync (Hopper's
+    # backward kernels have no registers for them) and their forward on TMA
+    launches = _dispatch.backward(window, strides_of(window), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
+    assert launches.dq.aligned.spec.features == _kernels.FEATURE_LOCAL
+    launches = _dispatch.backward(mods, strides_of(mods), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "mma"
+    assert launches.dkdv.aligned.spec.features == 7
+    pair = _dispatch.forward(mods, strides_of(mods), "sm_90a", 132)
+    assert pair.aligned.spec.path == "tma" and pair.aligned.spec.features == 7
+    assert pair.unaligned.spec.path == "wgmma" and pair.unaligned.spec.features == 7

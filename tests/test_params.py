@@ -90,15 +90,20 @@ def test_fill_and_pointers():
     assert (template.vec, template.num_blocks, template.num_work, template.rows) == (1, 3, 7, 4800)
     assert template.q.ptr == 0  # pointers come per call
     assert _params.fill(problem(dtype="float16"), {}).p_shift == 0
+    # a window and the score modifiers: both bounds, the softcap (0: none), the slopes' strides
+    mods = _params.fill(problem(window=(7, 3), softcap=30.0), {"alibi": (8, 1, 0)})
+    assert (mods.window_left, mods.window_right, mods.softcap) == (7, 3, 30.0)
+    assert (mods.alibi.batch, mods.alibi.head, mods.alibi.ptr) == (8, 1, 0)
+    assert template.softcap == 0.0
 
 
 def test_argument_blocks():
     template = _params.fill(problem(), {"q": (1, 2, 3)}, num_blocks=5)
-    args = _params.Arguments(template, ("q", "lse"), maps=2)
-    args.set_pointers((0x1000, 0x2000))
+    args = _params.Arguments(template, ("q", "lse", "alibi"), maps=2)
+    args.set_pointers((0x1000, 0x2000, 0x3000))
     args.set_map(1, bytes(range(128)))
     call = args.params
-    assert (call.q.ptr, call.lse.ptr, call.k.ptr) == (0x1000, 0x2000, 0)
+    assert (call.q.ptr, call.lse.ptr, call.alibi.ptr, call.k.ptr) == (0x1000, 0x2000, 0x3000, 0)
     assert (call.q.batch, call.q.head, call.q.seq, call.num_blocks) == (1, 2, 3, 5)
     assert template.q.ptr == 0 and template.lse.ptr == 0  # the plan's template is untouched
     pointers = (ctypes.c_void_p * 2).from_address(args.address)

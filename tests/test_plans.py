@@ -207,3 +207,27 @@ def test_launch_hands_over_the_argument_block(monkeypatch):
     assert got_blob == bytes(range(128)) * 4 and seq_q == 77
     with pytest.raises(ValueError, match="grid limit"):
         _launch.launch(Loaded, 2**31, 0, 5, args.address)
+
+
+def test_signature_tells_options_and_slopes_apart():
+    from cuflash import _plans
+
+    class FakeCupy:  # what the signature reads of a CuPy array
+        __module__ = "cupy._core.core"
+
+        def __init__(self, shape):
+            self.shape, self.strides, self.dtype = shape, (8,) * len(shape), "float16"
+            self.data = type("Memory", (), {"device_id": 0})()
+
+    arrays = tuple(FakeCupy((1, 4, 2, 8)) for _ in range(3))
+
+    def key(window=None, softcap=None, slopes=()):
+        options = {"causal": False, "window": window, "softcap": softcap, "scale": None}
+        return _plans.signature("forward", arrays + slopes, {**options, "layout": "bshd"})
+
+    assert key() == key() and hash(key((3, 0))) == hash(key((3, 0)))
+    assert key((3, 0)) != key() and key((3, 0)) != key((3, 1))
+    assert key((3, 0)) != key((3.0, 0))  # a float bound fails validation: never a cached plan
+    assert key(softcap=30) != key(softcap=30.0) and key(softcap=30.0) != key()
+    assert key(slopes=(FakeCupy((2,)),)) != key()
+    assert key(slopes=(FakeCupy((2,)),)) != key(slopes=(FakeCupy((1, 2)),))

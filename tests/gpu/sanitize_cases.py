@@ -4,8 +4,9 @@
 
 Each case runs the forward pass and the backward pass (preprocess, dK/dV, dQ) on odd sizes,
 grouped heads and causal masking, through both the 16-byte path (aligned) and the element-wise
-path (unaligned views), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row
-block starts before row 0 and meets a NaN key (the repair path). --all-buckets covers every
+path (unaligned views), with a sliding window and with every score modifier (the feature
+instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
+before row 0 and meets a NaN key (the repair path). --all-buckets covers every
 head-dim instance; --forward-tiles and --register-store choose other TMA forwards (an explicit
 KernelChoice, cuflash/_dispatch.py).
 """
@@ -31,7 +32,10 @@ def run(
     aligned: bool,
     nq: int = 67,
     nk: int = 45,
+    mods: str = "",
 ) -> None:
+    """mods: "" (none), "window" (a sliding window: the LOCAL instances) or "all" (window,
+    softcap and ALiBi together)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
 
     def make(n: int, h: int) -> torch.Tensor:
@@ -40,8 +44,14 @@ def run(
         return x if aligned else x[..., 1:]
 
     q, k, v, do = make(nq, 4), make(nk, 2), make(nk, 2), make(nq, 4)
-    o, lse, _ = testing.attention_forward_with(choice, q, k, v, causal=causal)
-    dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=causal)
+    options = {"causal": causal}
+    if mods:
+        options["window"] = (9, 4)
+    if mods == "all":
+        options["softcap"] = 5.0
+        options["alibi_slopes"] = torch.rand(2, 4, generator=gen, device="cuda")
+    o, lse, _ = testing.attention_forward_with(choice, q, k, v, **options)
+    dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
     torch.cuda.synchronize()
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         if not torch.isfinite(x).all():
@@ -89,7 +99,9 @@ def main() -> int:
                 run(choice, dtype, d, causal, aligned=True)
                 count += 1
             run(choice, dtype, d, True, aligned=False, nq=33, nk=70)
-            count += 1
+            for mods in ("window", "all"):  # the feature instances (kernels_cu/features.cuh)
+                run(choice, dtype, d, True, aligned=True, nq=150, nk=170, mods=mods)
+            count += 3
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
                 count += 1

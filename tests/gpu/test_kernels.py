@@ -42,6 +42,9 @@ class Case:
     scale: float | None
     storage: str  # "contiguous", "views" (strided, aligned) or "unaligned" (odd offsets)
     seed: int
+    window: tuple[int | None, int | None] | None = None  # (left, right); None / -1: unbounded
+    softcap: float | None = None
+    alibi: str | None = None  # slopes per head ("head", shape (Hq,)) or per ("batch", (B, Hq))
 
     @property
     def heads_q(self) -> int:
@@ -53,6 +56,25 @@ class Case:
         if self.layout == "bshd":
             return (self.batch, seq, heads, self.head_dim)
         return (self.batch, heads, seq, self.head_dim)
+
+
+# Window bounds: none, 0, 1, small, around the sequence lengths, wider than any sequence.
+WINDOW_BOUNDS = st.one_of(
+    st.none(), st.just(-1), st.sampled_from([0, 1, 2, 63, 64, 65]), st.integers(0, 3000)
+)
+
+
+@st.composite
+def score_options(draw) -> dict:
+    """The options of the masks issue, each drawn in about a third of the cases."""
+    options = {}
+    if draw(st.integers(0, 2)) == 0:
+        options["window"] = (draw(WINDOW_BOUNDS), draw(WINDOW_BOUNDS))
+    if draw(st.integers(0, 3)) == 0:
+        options["softcap"] = draw(st.floats(0.5, 50.0))
+    if draw(st.integers(0, 3)) == 0:
+        options["alibi"] = draw(st.sampled_from(["head", "batch"]))
+    return options
 
 
 @st.composite
@@ -84,7 +106,17 @@ def cases(draw, max_n: int = 2048, max_work: int = 1 << 24):
         scale,
         storage,
         draw(st.integers(0, 2**31 - 1)),
+        **draw(score_options()),
     )
+
+
+def alibi_slopes(case: Case, gen: torch.Generator):
+    """ALiBi slopes of the case (float32 on the GPU, (Hq,) or (B, Hq)), or None. Values up to
+    1: with the distances of long sequences, some scores fall out of range entirely."""
+    if case.alibi is None:
+        return None
+    shape = (case.heads_q,) if case.alibi == "head" else (case.batch, case.heads_q)
+    return torch.rand(shape, generator=gen, device="cuda", dtype=torch.float32)
 
 
 def make(case: Case, shape: tuple[int, ...], gen: torch.Generator, scale: float = 1.0):
@@ -126,9 +158,11 @@ def check_case(case: Case, test_name: str = "property", choice=None):
     k = make(case, case.shape(case.seq_k, case.heads_kv), gen)
     v = make(case, case.shape(case.seq_k, case.heads_kv), gen)
     do = make(case, case.shape(case.seq_q, case.heads_q), gen)
+    slopes = alibi_slopes(case, gen)
     layout = "bshd" if case.layout == "2d" else case.layout
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
-    options = dict(causal=case.causal, scale=case.scale, layout=layout)
+    mods = dict(window=case.window, softcap=case.softcap)
+    options = dict(causal=case.causal, scale=case.scale, layout=layout, alibi_slopes=slopes, **mods)
 
     plans = (None, None)
     if choice is None:
@@ -144,7 +178,8 @@ def check_case(case: Case, test_name: str = "property", choice=None):
         plans = (fwd, bwd)
 
     qb, kb, vb, dob = (to_bhsd64(x, case.layout) for x in (q, k, v, do))
-    kw = dict(causal=case.causal, scale=scale, xp=cupy)
+    slopes_bh = None if slopes is None else cupy.from_dlpack(slopes).astype(cupy.float64)
+    kw = dict(causal=case.causal, scale=scale, xp=cupy, alibi_slopes=slopes_bh, **mods)
     o_ref, lse_ref = testing.naive_forward(qb, kb, vb, dtype="float64", **kw)
     o_low, lse_low = testing.naive_forward(qb, kb, vb, dtype=case.dtype, **kw)
     # The backward is checked on the kernel's own o and lse, as a user runs it.

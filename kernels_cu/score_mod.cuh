@@ -1,0 +1,100 @@
+// score_mod.cuh: the score modifiers, softcap and ALiBi, applied between S = scale * q . k and the
+// mask (the order of docs/DESIGN.md): S' = c tanh(S / c) (softcap c > 0), then
+// S' -= slope * |i + nk - nq - j| (ALiBi: a slope per (batch, query head), FlashAttention's sign
+// and bottom-right alignment). lse and P are over the final S'.
+//
+// The kernels hold scores in some unit u (the tensor-core kernels raw dot products, u = scale,
+// because the softmax folds the scale into its exp2; the exact kernels u = 1): a ScoreMod built
+// for unit u maps a score s = S / u to s' = S' / u, so the code after it does not change.
+// The backward needs ds'/ds through the tanh, 1 - tanh^2 (ALiBi adds a constant): dcap.
+//
+// Compile-time features (features.cuh): an instance without either carries no code for them.
+#pragma once
+#include "common.cuh"
+#include "params.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1) with two MUFU operations (ex2, rcp) and an absolute error near
+// 1e-7: tanh.approx.f32's relative 2^-11 would put an error of c * 2^-11 into every saturated score,
+// as large as a float16 score's own rounding. Saturates cleanly: exp(2x) = inf gives 1, 0 gives -1.
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float e = fast_exp2(x * 2.8853900817779268f);  // exp(2x)
+  return 1.f - __fdividef(2.f, e + 1.f);
+}
+
+template <bool SOFTCAP, bool ALIBI, typename T = float, bool PRECISE = false>
+struct ScoreMod {
+  static constexpr bool ANY = SOFTCAP || ALIBI;
+  T cap_in, cap_out;  // softcap: u / c and c / u
+  T slope;            // ALiBi: this (batch, head)'s slope / u
+  int diag_offset;    // nk - nq: query i sits at key position i + nk - nq
+
+  // The modifiers of query head `head` of sequence `batch`, for scores in unit `unit`.
+  static __device__ __forceinline__ ScoreMod of(const Params& p, int batch, int head, T unit) {
+    ScoreMod m;
+    m.cap_in = m.cap_out = m.slope = T(0);
+    if constexpr (SOFTCAP) {
+      m.cap_in = unit / T(p.softcap);
+      m.cap_out = T(p.softcap) / unit;
+    }
+    if constexpr (ALIBI) m.slope = T(*head_ptr<const float>(p.alibi, batch, head)) / unit;
+    m.diag_offset = p.seq_k - p.seq_q;
+    return m;
+  }
+
+  // Query i's position on the key axis, the row term of ALiBi's distance (hoisted out of the
+  // loops over a row's keys).
+  __device__ __forceinline__ T row_pos(int i) const { return T(i + diag_offset); }
+
+  static __device__ __forceinline__ T tanh_of(T x) {
+    if constexpr (!PRECISE) return tanh_fast(x);
+    else if constexpr (sizeof(T) == 4) return tanhf(x);
+    else return tanh(x);
+  }
+
+  // s' of score s of the query at `row` (row_pos) against key `col` (as T).
+  __device__ __forceinline__ T operator()(T s, T row, T col) const {
+    if constexpr (SOFTCAP) s = cap_out * tanh_of(s * cap_in);
+    if constexpr (ALIBI) s -= slope * fabs(row - col);
+    return s;
+  }
+
+  // The same, and ds'/ds in `dcap` (1 without softcap).
+  __device__ __forceinline__ T operator()(T s, T row, T col, T& dcap) const {
+    dcap = T(1);
+    if constexpr (SOFTCAP) {
+      const T t = tanh_of(s * cap_in);
+      s = cap_out * t;
+      dcap = T(1) - t * t;
+    }
+    if constexpr (ALIBI) s -= slope * fabs(row - col);
+    return s;
+  }
+
+  // Over mma / wgmma accumulator fragments s[MT][NT][4]: element (mt, nt, e) of this lane is row
+  // row0 + 16 mt + 8 (e >> 1) and column col0 + 8 nt + (e & 1) (row0, col0: the lane's first).
+  // Rows are queries and columns keys, or the other way round (KEY_ROWS, the dK/dV kernels).
+  template <bool KEY_ROWS = false, int MT, int NT>
+  __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0) const {
+    if constexpr (ANY) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = row0 + 16 * mt + 8 * (e >> 1);
+          const float rpos = KEY_ROWS ? float(r) : row_pos(r);
+          const float cbase = float(col0 + (e & 1));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const float c = cbase + float(8 * nt);
+            const float cpos = KEY_ROWS ? c + float(diag_offset) : c;
+            s[mt][nt][e] = (*this)(s[mt][nt][e], rpos, cpos);
+          }
+        }
+    }
+  }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,130 @@
+"""Sliding windows, softcap and ALiBi on the GPU: every head-dim bucket and path against the
+float64 reference, rows that see nothing, NaN locality, determinism and the torch wrapper.
+
+The property test of test_kernels.py draws these options too, with everything else it draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_kernels import DTYPES, Case, alibi_slopes, check_case, make
+
+import cuflash
+from cuflash import _dispatch, testing
+
+pytestmark = pytest.mark.gpu
+if testing.gpu_unavailable_reason():
+    pytest.skip(f"GPU test: {testing.gpu_unavailable_reason()}", allow_module_level=True)
+torch = pytest.importorskip("torch", reason="the GPU tests make their inputs with PyTorch")
+
+# One of each feature and all three together (kernels_cu/features.cuh bits 1, 2, 4 and 7).
+FEATURES = {
+    "window": dict(window=(40, 7)),
+    "softcap": dict(softcap=2.0),
+    "alibi": dict(alibi="batch"),
+    "all": dict(window=(100, -1), softcap=30.0, alibi="head"),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_every_bucket_with_each_feature(feature, dtype, head_dim):
+    for causal in (False, True):
+        base = Case(2, 2, 2, 150, 211, head_dim, dtype, "bshd", causal, None, "contiguous", 3)
+        check_case(replace(base, **FEATURES[feature]), "features")
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("path", ["wgmma", "mma"])
+def test_slower_paths_with_each_feature(feature, path):
+    # the library picks the TMA kernels on Hopper for aligned inputs: the others here
+    base = Case(2, 2, 2, 333, 517, 128, "bfloat16", "bshd", True, None, "views", 7)
+    check_case(replace(base, **FEATURES[feature]), "features", _dispatch.KernelChoice(path=path))
+
+
+@pytest.mark.parametrize("window", [(0, 0), (0, -1), (1, 1), (-1, 0), (256, 0), (5000, 5000)])
+def test_long_sliding_windows(window):
+    # several key tiles per row block and both sides of the band; causal sets right = 0
+    for causal in (False, True):
+        case = Case(1, 2, 2, 1500, 1300, 128, "bfloat16", "bshd", causal, None, "contiguous", 11)
+        check_case(replace(case, window=window), "windows")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_rows_outside_every_window_see_nothing(dtype):
+    # Nq > Nk with window (0, 0): query i sees key i + Nk - Nq only, the first Nq - Nk rows none
+    case = Case(1, 2, 1, 300, 100, 64, dtype, "bshd", False, None, "contiguous", 5, window=(0, 0))
+    check_case(case, "masked rows")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = make(case, case.shape(300, 2), gen)
+    k, v = make(case, case.shape(100, 2), gen), make(case, case.shape(100, 2), gen)
+    o, lse = cuflash.attention_forward(q, k, v, window=(0, 0), softcap=5.0)
+    assert torch.all(o[:, :200] == 0) and torch.all(torch.isneginf(lse[:, :, :200]))
+    # one key each: o is that key's value row, lse its score
+    torch.testing.assert_close(o[:, 200:].float(), v.float(), rtol=0, atol=0)
+    dq, dk, dv = cuflash.attention_backward(torch.randn_like(q), q, k, v, o, lse, window=(0, 0))
+    assert torch.all(dq[:, :200] == 0)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_nan_outside_the_window_stays_outside():
+    # A NaN in key/value j reaches only the rows whose window holds j, with every modifier on.
+    case = Case(1, 1, 1, 400, 400, 64, "bfloat16", "bshd", False, None, "contiguous", 4)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (make(case, case.shape(400, 1), gen) for _ in range(3))
+    k[0, 123, 0, 5] = float("nan")
+    v[0, 300, 0, 7] = float("nan")
+    slopes = torch.rand(1, device="cuda")
+    options = dict(window=(16, 0), softcap=10.0, alibi_slopes=slopes)
+    o, lse = cuflash.attention_forward(q, k, v, **options)
+    rows = torch.arange(400, device="cuda")
+    sees_nan = ((rows >= 123) & (rows <= 123 + 16)) | ((rows >= 300) & (rows <= 300 + 16))
+    finite = torch.isfinite(o[0, :, 0].float()).all(dim=-1)
+    assert torch.equal(finite, ~sees_nan)
+    dq, dk, dv = cuflash.attention_backward(torch.randn_like(q), q, k, v, o, lse, **options)
+    assert torch.isfinite(dq[0, ~sees_nan]).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_backward_with_features_is_bitwise_deterministic(head_dim):
+    case = Case(2, 2, 4, 300, 500, head_dim, "bfloat16", "bshd", True, None, "contiguous", 8)
+    case = replace(case, **FEATURES["all"])
+    gen = torch.Generator(device="cuda").manual_seed(case.seed)
+    q = make(case, case.shape(300, 8), gen)
+    k, v = make(case, case.shape(500, 2), gen), make(case, case.shape(500, 2), gen)
+    do = make(case, case.shape(300, 8), gen)
+    options = dict(causal=True, window=case.window, softcap=case.softcap)
+    options["alibi_slopes"] = alibi_slopes(case, gen)
+    o, lse = cuflash.attention_forward(q, k, v, **options)
+    first = cuflash.attention_backward(do, q, k, v, o, lse, **options)
+    for _ in range(3):
+        again = cuflash.attention_backward(do, q, k, v, o, lse, **options)
+        for a, b in zip(first, again, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_torch_wrapper_takes_the_new_options():
+    import cuflash.torch as cft
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (
+        torch.randn(2, 200, 4, 64, generator=gen, device="cuda").half().requires_grad_()
+        for _ in range(3)
+    )
+    slopes = torch.rand(2, 4, generator=gen, device="cuda")
+    options = dict(causal=True, window=(32, None), softcap=20.0, alibi_slopes=slopes)
+    o = cft.attention(q, k, v, **options)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o_api, lse = cuflash.attention_forward(q.detach(), k.detach(), v.detach(), **options)
+    assert torch.equal(o.detach(), o_api)
+    grads = cuflash.attention_backward(
+        do, q.detach(), k.detach(), v.detach(), o_api, lse, **options
+    )
+    for got, want in zip((q.grad, k.grad, v.grad), grads, strict=True):
+        assert torch.equal(got, want)
+    compiled = torch.compile(lambda a, b, c: cft.attention(a, b, c, **options), fullgraph=True)
+    assert torch.equal(compiled(q.detach(), k.detach(), v.detach()), o_api)
