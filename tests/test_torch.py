@@ -50,13 +50,17 @@ def test_gradients_equal_autograd_of_naive_attention(causal, nq, nk):
 
 def test_custom_operators_pass_opcheck():
     q, k, v = inputs()
-    torch.library.opcheck(
-        torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.25, "bshd")
-    )
-    o, lse = cft.attention_forward(q, k, v, causal=True)
-    do = torch.randn_like(o)
-    args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, True, 0.25, "bshd")
-    torch.library.opcheck(torch.ops.cuflash.attention_backward.default, args)
+    # options: alibi_slopes, causal, window_left, window_right, softcap, scale, layout
+    slopes = torch.rand(q.shape[2], device=q.device)
+    for options in (
+        (None, True, -1, -1, 0.0, 0.25, "bshd"),
+        (slopes, False, 5, 2, 3.0, 0.3, "bshd"),
+    ):
+        torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, *options))
+        o, lse = torch.ops.cuflash.attention_forward(q.detach(), k.detach(), v.detach(), *options)
+        do = torch.randn_like(o)
+        args = (do, q.detach(), k.detach(), v.detach(), o, lse, *options)
+        torch.library.opcheck(torch.ops.cuflash.attention_backward.default, args)
 
 
 def test_lse_is_not_differentiable():
