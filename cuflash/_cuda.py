@@ -189,20 +189,22 @@ class ForwardPlan:
             choice,
         )
 
-    def _run(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, *alibi) -> None:
-        run = self.runs.pick(not (q_ptr | k_ptr | v_ptr | o_ptr) & 15)
-        run(self.stream(self.device), (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *alibi))
+    def _run(self, pointers: tuple[int, ...]) -> None:
+        """Launches on the pointers of FORWARD_TENSORS (and the slopes')."""
+        aligned = not (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15
+        self.runs.pick(aligned)(self.stream(self.device), pointers)
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
         if not self.torch_fast:
             return self(*_plans.pointers(arrays))
-        q, k, v, *alibi = arrays
+        q = arrays[0]
         empty_like, contiguous, empty, lse_dtype, device = self._torch_outputs
         o = empty_like(q, memory_format=contiguous)
         lse = empty(self.shapes[2], dtype=lse_dtype, device=device)
-        slopes = (alibi[0].data_ptr(),) if alibi else ()
-        self._run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), *slopes)
+        pointers = (q.data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr())
+        pointers += (o.data_ptr(), lse.data_ptr())
+        self._run(pointers if len(arrays) == 3 else (*pointers, arrays[3].data_ptr()))
         return o, lse
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, *alibi_ptr: int) -> tuple[Any, Any]:
@@ -212,7 +214,7 @@ class ForwardPlan:
         o = self.alloc(o_shape, dtype, None if self.work else 0.0)
         lse = self.alloc(lse_shape, lse_dtype, None if self.work else -np.inf)
         if self.work:
-            self._run(q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *alibi_ptr)
+            self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *alibi_ptr))
         return self.alloc.result(o), self.alloc.result(lse)
 
 

@@ -15,21 +15,29 @@ _MAX_PLANS = 512
 _plans: dict[tuple, Any] = {}
 
 
-def signature(kind: str, arrays: tuple, options: dict[str, Any]) -> tuple | None:
+def signature(
+    kind: str,
+    arrays: tuple,
+    causal: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    layout: Any,
+) -> tuple | None:
     """The cache key of a call, or None when this call has none (always validated in full).
 
-    Flat, so that hashing it is cheap: (kind, type, each option with its type (a window's bounds
-    each with theirs), then shape, strides, dtype and device of each array: q, k, v, ..., and the
-    ALiBi slopes where given).
+    Flat, so that making and hashing it is cheap (it runs on every call: its cost is most of a
+    small call's host time): (kind, type, the number of arrays, each option with its type (a
+    window's bounds each with theirs), then shape, strides, dtype and device of each array: q, k,
+    v, ..., and the ALiBi slopes where given).
     """
     first = arrays[0]
     cls = type(first)
     module = cls.__module__
-    key = [kind, cls, len(arrays)]
-    for value in options.values():
-        key += (type(value), value)
-        if type(value) is tuple:
-            key += tuple(type(x) for x in value)
+    key = [kind, cls, len(arrays), type(causal), causal, type(window), window, type(softcap)]
+    key += (softcap, type(scale), scale, type(layout), layout)
+    if type(window) is tuple:
+        key += map(type, window)
     if module.startswith("torch"):
         if not first.is_cuda:
             return None

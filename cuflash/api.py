@@ -75,12 +75,12 @@ def attention_forward(
             window bound is below -1, alibi_slopes has the wrong shape, or layout is neither
             "bshd" nor "bhsd".
     """
-    options = _options(causal, window, softcap, scale, layout)
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
-    key = _plans.signature("forward", arrays, options)
+    key = _plans.signature("forward", arrays, causal, window, softcap, scale, layout)
     plan = _plans.get(key)
     if plan is not None:  # this signature was validated before
         return plan.call_arrays(arrays)
+    options = _options(causal, window, softcap, scale, layout)
     problem, qi, ki, vi, alibi = _validate.check_forward(q, k, v, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu
@@ -151,12 +151,12 @@ def attention_backward(
         TypeError, ValueError: as :func:`attention_forward`, and for ``do``, ``o`` or ``lse`` of
             the wrong shape, dtype, library or device.
     """
-    options = _options(causal, window, softcap, scale, layout)
     arrays = (do, q, k, v, o, lse) if alibi_slopes is None else (do, q, k, v, o, lse, alibi_slopes)
-    key = _plans.signature("backward", arrays, options)
+    key = _plans.signature("backward", arrays, causal, window, softcap, scale, layout)
     plan = _plans.get(key)
     if plan is not None:
         return plan.call_arrays(arrays)
+    options = _options(causal, window, softcap, scale, layout)
     problem, *infos = _validate.check_backward(do, q, k, v, o, lse, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu

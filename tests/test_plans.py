@@ -222,8 +222,7 @@ def test_signature_tells_options_and_slopes_apart():
     arrays = tuple(FakeCupy((1, 4, 2, 8)) for _ in range(3))
 
     def key(window=None, softcap=None, slopes=()):
-        options = {"causal": False, "window": window, "softcap": softcap, "scale": None}
-        return _plans.signature("forward", arrays + slopes, {**options, "layout": "bshd"})
+        return _plans.signature("forward", arrays + slopes, False, window, softcap, None, "bshd")
 
     assert key() == key() and hash(key((3, 0))) == hash(key((3, 0)))
     assert key((3, 0)) != key() and key((3, 0)) != key((3, 1))

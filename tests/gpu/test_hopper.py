@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_kernels import Case, check_case, make
 
-from cuflash import _compile, _dispatch, _plans, _tma, api, testing
+from cuflash import _compile, _dispatch, _plans, _tma, testing
 from cuflash._dispatch import KernelChoice
 
 pytestmark = pytest.mark.gpu
@@ -35,13 +35,9 @@ def plans_of(case: Case) -> tuple:
     q, k, v = inputs_of(case)
     o, lse = cuflash.attention_forward(q, k, v, causal=case.causal)
     cuflash.attention_backward(q, q, k, v, o, lse, causal=case.causal)
-    fwd = _plans.get(
-        _plans.signature("forward", (q, k, v), api._options(case.causal, None, None, None, "bshd"))
-    )
+    fwd = _plans.get(_plans.signature("forward", (q, k, v), case.causal, None, None, None, "bshd"))
     bwd = _plans.get(
-        _plans.signature(
-            "backward", (q, q, k, v, o, lse), api._options(case.causal, None, None, None, "bshd")
-        )
+        _plans.signature("backward", (q, q, k, v, o, lse), case.causal, None, None, None, "bshd")
     )
     return fwd, bwd
 
@@ -122,9 +118,7 @@ def test_end_aligned_first_block_with_a_nonfinite_key():
         for n in (100, 300, 300)
     )
     clean_o, clean_lse = cuflash.attention_forward(q, k, v, causal=True)
-    fwd = _plans.get(
-        _plans.signature("forward", (q, k, v), api._options(True, None, None, None, "bshd"))
-    )
+    fwd = _plans.get(_plans.signature("forward", (q, k, v), True, None, None, None, "bshd"))
     launch = fwd.runs.aligned.launch
     assert launch.spec.path == "tma" and (launch.num_blocks, launch.row_shift) == (2, 156)
     k2 = k.clone()
