@@ -38,8 +38,12 @@ FEATURE_SOFTCAP = 2  # S = c tanh(S / c)
 FEATURE_ALIBI = 4  # S -= slope |i + Nk - Nq - j|
 # The feature sets the library launches (every combination), and so the compile check builds.
 FEATURE_SETS = tuple(range(8))
-# Features whose backward runs on the mma.sync kernels on every architecture (paths).
-BACKWARD_ON_MMA = FEATURE_SOFTCAP | FEATURE_ALIBI
+# Features whose backward runs on the mma.sync kernels on every architecture (paths): the Hopper
+# backward kernels spilled 20-112 bytes with the softcap (docs/perf/NOTES.md, v11).
+BACKWARD_ON_MMA = FEATURE_SOFTCAP
+# Buckets whose TMA backward spills with these features (the dK/dV kernel with ALiBi: 36 B at
+# d = 64, 24-76 B at d = 256): those calls take the wgmma or mma.sync backward.
+_TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_ALIBI}
 
 # C++ spelling of each dtype as a template argument.
 _CPP_ELEM = {
@@ -206,15 +210,15 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
     if dtype in EXACT_DTYPES:
         return ("exact",)
     bucket = head_dim_bucket(head_dim)
-    # The Hopper backward kernels have no registers left for the score modifiers (they spilled
-    # 20-260 bytes at 168 registers: docs/perf/NOTES.md, v11): those run on mma.sync.
     modified_backward = family in ("dq", "dkdv") and features & BACKWARD_ON_MMA
     hopper = arch == "sm_90a" and not modified_backward
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
+    spills = family in ("dq", "dkdv") and features & _TMA_BACKWARD_SPILLS.get(bucket, 0)
     return tuple(
         path
         for path in TENSOR_CORE_PATHS
-        if path == "mma" or (hopper and bucket in tables[path][family])
+        if path == "mma"
+        or (hopper and bucket in tables[path][family] and not (path == "tma" and spills))
     )
 
 

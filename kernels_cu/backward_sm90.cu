@@ -29,10 +29,10 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BM * 2, 1)
     attention_backward_dq_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
-  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
+  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Mod::ANY, "no score modifiers on this path");
+  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   constexpr int NTHREADS = BM * 2, NT_D = HD / 8;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, PITCH = HD + 8;
   static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % 16 == 0, "wgmma tile shapes");
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
   const bool use_vec = p.vec != 0;
 
-  Sm90DqRows<Elem, HD, BM, BN, Mask> rows;
+  Sm90DqRows<Elem, HD, BM, BN, Mask, Mod> rows;
   rows.sQ = sQ;
   rows.sdO = sdO;
   rows.wg = warp >> 2;
@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
     }
   }
   rows.row0 = m0 + warp_row0 + (lane >> 2);
+  rows.mod = Mod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
   rows.clear();
 
   const Rows k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
                                    head_rows<const unsigned short>(p.dout, bc.batch, bc.head),
                                    k_rows, v_rows, head_rows<const float>(p.lse, bc.batch, bc.head),
                                    head_rows<const float>(p.delta, bc.batch, bc.head),
-                                   m0 + warp_row0, Mask::of(p), Mod{}, d, lane);
+                                   m0 + warp_row0, Mask::of(p), rows.mod, d, lane);
   }
   __syncthreads();
   unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
@@ -136,10 +137,10 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BN * 2, 1)
     attention_backward_dkdv_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
-  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
+  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Mod::ANY, "no score modifiers on this path");
+  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   // BN keys per block (64 per warpgroup), query tiles of BM rows.
   constexpr int NTHREADS = BN * 2, NT_D = HD / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2, PITCH = HD + 8;
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(BN * 2, 1)
   const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim, group = p.group;
   const bool use_vec = p.vec != 0;
 
-  Sm90DkdvKeys<Elem, HD, BM, BN, Mask> keys;
+  Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod> keys;
   keys.sK = sK;
   keys.sV = sV;
   keys.wg = warp >> 2;
@@ -212,7 +213,10 @@ __global__ void __launch_bounds__(BN * 2, 1)
     fence_proxy_async();
     __syncthreads();  // step's tiles (and K, V) have landed; every warpgroup is done with step - 1
     if (step + 1 < num_steps) load_step(step + 1, stage ^ 1);
-    const int m0 = query_step_at(step, tiles, group).tile * BM;
+    const QueryStep at = query_step_at(step, tiles, group);
+    const int m0 = at.tile * BM;
+    if constexpr (Mod::ANY)
+      keys.mod = Mod::of(p, bc.batch, bc.head * group + at.head, static_cast<float>(p.scale));
     keys.step(step < masked_steps, m0, sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES,
               sLse2 + stage * BM, sDelta + stage * BM, Mask::of(p));
     if (step == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);

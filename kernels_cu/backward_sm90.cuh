@@ -62,7 +62,7 @@ __device__ __forceinline__ float lse2_of_row(float lse, bool real) {
 // gradients (dS, rounded to A fragments), issue_dq (dQ += dS K_j, one group); step() runs them
 // in order and waits for each group. (Keeping one tile's dQ group in flight under the next
 // tile's gradients was measured slower: docs/perf/NOTES.md, v7.)
-template <typename Elem, int HD, int BM, int BN, typename Mask>
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
 struct Sm90DqRows {
   static constexpr int NT_S = BN / 8, NT_D = HD / 8;
   typedef unsigned Frags[BN / 16][4];  // dS as A fragments
@@ -71,6 +71,7 @@ struct Sm90DqRows {
   float scale_log2;
   float lse2[2], dlt[2];  // this lane's rows g and g + 8: lse in log2 units (lse2_of_row) and D
   int row0;               // this lane's row g in the sequence (its rows are g and g + 8)
+  Mod mod;                // score modifiers (score_mod.cuh), in raw units
   float acc_dq[NT_D][4];
   float s[NT_S][4], dp[NT_S][4];
 
@@ -100,13 +101,17 @@ struct Sm90DqRows {
     const int col0 = n0 + 2 * (lane & 3);
     Bounds keys[2];
     if (masked) keys[0] = mask.keys_of(row0), keys[1] = mask.keys_of(row0 + 8);
+    const float row_pos[2] = {mod.row_pos(row0), mod.row_pos(row0 + 8)};
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+        float dcap;  // ds'/ds of the softcap
+        const float sm =
+            mod(s[nt][e], row_pos[e >> 1], float(col0 + (e & 1)) + float(nt * 8), dcap);
+        float p = fast_exp2(fmaf(sm, scale_log2, -lse2[e >> 1]));
         if (masked && Mask::key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) p = 0.f;
-        dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]);  // dS
+        dp[nt][e] = p * (dp[nt][e] - dlt[e >> 1]) * dcap;  // dS
       }
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) accum_to_a_frag<Elem>(ds[kk], dp[2 * kk], dp[2 * kk + 1]);
@@ -139,7 +144,7 @@ struct Sm90DqRows {
 // columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
 // products twice: faster than exchanging P^T and dS^T through shared memory between them,
 // docs/perf/NOTES.md, v7).
-template <typename Elem, int HD, int BM, int BN, typename Mask, int COLS_ = HD>
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, int COLS_ = HD>
 struct Sm90DkdvKeys {
   static constexpr int COLS = COLS_;  // the head-dim columns of dK and dV this warpgroup holds
   static constexpr bool SHARED_KEYS = COLS < HD;
@@ -149,6 +154,7 @@ struct Sm90DkdvKeys {
   int wg, lane;
   float scale_log2;
   int key0;           // this lane's key g in the sequence (its keys are g and g + 8)
+  Mod mod;            // score modifiers of the current query head (score_mod.cuh), raw units
   float acc_dk[NT_D][4], acc_dv[NT_D][4];
 
   __device__ __forceinline__ int col0() const { return SHARED_KEYS ? wg * COLS : 0; }
@@ -189,15 +195,19 @@ struct Sm90DkdvKeys {
     fence_accumulators(dpt);
     Bounds queries[2];
     if (masked) queries[0] = mask.queries_of(key0), queries[1] = mask.queries_of(key0 + 8);
+    const float key_pos[2] = {float(key0), float(key0 + 8)};
 #pragma unroll
     for (int nt = 0; nt < NT_Q; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
-        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse2[qc]));
+        float dcap;                               // ds'/ds of the softcap
+        const float s =
+            mod(st[nt][e], mod.row_pos(m0 + 2 * t + (e & 1)) + float(nt * 8), key_pos[e >> 1], dcap);
+        float p = fast_exp2(fmaf(s, scale_log2, -lse2[qc]));
         if (masked && Mask::query_hidden(m0 + qc, queries[e >> 1])) p = 0.f;
-        st[nt][e] = p;                            // P^T
-        dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]);  // dS^T
+        st[nt][e] = p;                                   // P^T
+        dpt[nt][e] = p * (dpt[nt][e] - dlt[qc]) * dcap;  // dS^T
       }
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {

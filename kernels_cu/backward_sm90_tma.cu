@@ -82,10 +82,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_backward_dq_tma(const __grid_constant__ BackwardMaps maps,
                               const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
-  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
+  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Mod::ANY, "no score modifiers on this path");
+  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   Regs::consumer();
   const int warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
   const int nq = p.seq_q, d = p.head_dim;
-  Sm90DqRows<Elem, HD, BM, BN, Mask> rows;
+  Sm90DqRows<Elem, HD, BM, BN, Mask, Mod> rows;
   rows.wg = (warp - 4) >> 2;
   rows.lane = lane;
   rows.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
@@ -175,6 +175,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       rows.dlt[r] = s_delta[buf * BM + row];
     }
     rows.row0 = m0 + warp_row0 + (lane >> 2);
+    if constexpr (Mod::ANY) {
+      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+      rows.mod = Mod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+    }
     rows.clear();
     for (int it = 0; it < count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
@@ -204,7 +208,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           head_rows<const unsigned short>(p.k, bc.batch, kv_head),
           head_rows<const unsigned short>(p.v, bc.batch, kv_head),
           head_rows<const float>(p.lse, bc.batch, bc.head),
-          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), Mod{}, d, lane);
+          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), rows.mod, d, lane);
     }
   }
 }
@@ -223,17 +227,17 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     attention_backward_dkdv_tma(const __grid_constant__ BackwardMaps maps,
                                 const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // Softcap and ALiBi run on the mma.sync backward (cuflash/_kernels.py, paths): here they spill
-  // at the wgmma kernels' register budget (docs/perf/NOTES.md, v11).
+  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
+  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Mod::ANY, "no score modifiers on this path");
+  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   // BN keys per block (64 per consumer warpgroup; at HD = 256, 64 shared by two warpgroups that
   // split the head dim), query tiles of BM rows.
   constexpr bool SPLIT = HD > 128;
   constexpr int CONSUMERS = SPLIT ? 2 : BN / 64, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, SPLIT ? HD / 2 : HD> Keys;
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, SPLIT ? HD / 2 : HD> Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
   static_assert(!SPLIT || BN == 64, "the split head dim serves 64 keys");
@@ -324,7 +328,12 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     for (int s = 0; s < num_steps; ++s, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
-      keys.step(s < masked_steps, query_step_at(s, tiles, p.group).tile * BM,
+      const QueryStep at = query_step_at(s, tiles, p.group);
+      if constexpr (Mod::ANY) {
+        const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
+        keys.mod = Mod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale));
+      }
+      keys.step(s < masked_steps, at.tile * BM,
                 sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
                 s_delta + stage * BM, Mask::of(p));
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done

@@ -137,8 +137,15 @@ def test_features_of_a_problem_pick_the_instances():
     assert _dispatch.features(wide) == 0
     mods = problem(head_dim=128, window=(100, 3), softcap=30.0, alibi=True)
     assert _dispatch.features(mods) == 7
-    # windows keep the TMA kernels; softcap and ALiBi run their backward on mma.sync (Hopper's
-    # backward kernels have no registers for them) and their forward on TMA
+    # windows keep the TMA kernels; the softcap runs its backward on mma.sync (Hopper's backward
+    # kernels have no registers for it) and its forward on TMA; ALiBi keeps the TMA backward at
+    # d = 128, where it does not spill, and takes the wgmma one at d = 64
+    alibi = problem(head_dim=128, alibi=True)
+    launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
+    alibi = problem(head_dim=64, alibi=True)
+    launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "wgmma"
     launches = _dispatch.backward(window, strides_of(window), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
     assert launches.dq.aligned.spec.features == _kernels.FEATURE_LOCAL

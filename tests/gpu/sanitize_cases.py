@@ -34,8 +34,8 @@ def run(
     nk: int = 45,
     mods: str = "",
 ) -> None:
-    """mods: "" (none), "window" (a sliding window: the LOCAL instances) or "all" (window,
-    softcap and ALiBi together)."""
+    """mods: "" (none), "window" (a sliding window: the LOCAL instances), "alibi" (window and
+    ALiBi: the Hopper backward kernels take it) or "all" (window, softcap and ALiBi)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
 
     def make(n: int, h: int) -> torch.Tensor:
@@ -49,6 +49,7 @@ def run(
         options["window"] = (9, 4)
     if mods == "all":
         options["softcap"] = 5.0
+    if mods in ("alibi", "all"):
         options["alibi_slopes"] = torch.rand(2, 4, generator=gen, device="cuda")
     o, lse, _ = testing.attention_forward_with(choice, q, k, v, **options)
     dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
@@ -99,9 +100,9 @@ def main() -> int:
                 run(choice, dtype, d, causal, aligned=True)
                 count += 1
             run(choice, dtype, d, True, aligned=False, nq=33, nk=70)
-            for mods in ("window", "all"):  # the feature instances (kernels_cu/features.cuh)
+            for mods in ("window", "alibi", "all"):  # the feature instances (features.cuh)
                 run(choice, dtype, d, True, aligned=True, nq=150, nk=170, mods=mods)
-            count += 3
+            count += 4
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
                 count += 1
