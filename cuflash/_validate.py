@@ -22,6 +22,20 @@ LAYOUTS = ("bshd", "bhsd")
 SUPPORTED_DTYPES = _kernels.DTYPES
 
 
+def option_kwargs(
+    causal: Any, window: Any, softcap: Any, scale: Any, layout: Any
+) -> dict[str, Any]:
+    """A call's options as the keyword arguments of the API and of check_forward/check_backward
+    (the framework wrappers pass them on through here)."""
+    return {
+        "causal": causal,
+        "window": window,
+        "softcap": softcap,
+        "scale": scale,
+        "layout": layout,
+    }
+
+
 def check_layout(layout: Any) -> str:
     if not isinstance(layout, str):
         raise TypeError(f"layout must be 'bshd' or 'bhsd'; got {type(layout).__name__} {layout!r}")

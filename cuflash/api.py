@@ -80,7 +80,7 @@ def attention_forward(
     plan = _plans.get(key)
     if plan is not None:  # this signature was validated before
         return plan.call_arrays(arrays)
-    options = _options(causal, window, softcap, scale, layout)
+    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
     problem, qi, ki, vi, alibi = _validate.check_forward(q, k, v, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu
@@ -156,7 +156,7 @@ def attention_backward(
     plan = _plans.get(key)
     if plan is not None:
         return plan.call_arrays(arrays)
-    options = _options(causal, window, softcap, scale, layout)
+    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
     problem, *infos = _validate.check_backward(do, q, k, v, o, lse, alibi_slopes, **options)
     if problem.device[0] == "cpu":
         from . import _cpu
@@ -167,17 +167,6 @@ def attention_backward(
     plan = _cuda.BackwardPlan(problem, *infos[:6], poison=poison_outputs(), alibi=infos[6])
     _plans.put(key, plan)
     return plan(*(info.ptr for info in infos if info is not None))
-
-
-def _options(causal: Any, window: Any, softcap: Any, scale: Any, layout: Any) -> dict[str, Any]:
-    """The keyword options of a call, as validation and the plan signature take them."""
-    return {
-        "causal": causal,
-        "window": window,
-        "softcap": softcap,
-        "scale": scale,
-        "layout": layout,
-    }
 
 
 def poison_outputs() -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from . import api
+from . import _validate, api
 
 _JIT_MESSAGE = (
     "cuflash.jax.attention got a traced array ({what}): it runs eagerly on concrete arrays and "
@@ -39,27 +39,17 @@ def _check_concrete(*arrays: Any) -> None:
             raise TypeError(_JIT_MESSAGE.format(what=type(x).__name__))
 
 
-def _options(causal, window, softcap, scale, layout) -> dict:
-    return {
-        "causal": causal,
-        "window": window,
-        "softcap": softcap,
-        "scale": scale,
-        "layout": layout,
-    }
-
-
 # The options are static (hashable) arguments; the ALiBi slopes are an array without a gradient.
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _attention(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
     _check_concrete(q, k, v)
-    options = _options(causal, window, softcap, scale, layout)
+    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
     return api.attention(q, k, v, alibi_slopes=alibi_slopes, **options)
 
 
 def _attention_fwd(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
     _check_concrete(q, k, v)
-    options = _options(causal, window, softcap, scale, layout)
+    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
     o, lse = api.attention_forward(q, k, v, alibi_slopes=alibi_slopes, **options)
     return o, (q, k, v, alibi_slopes, o, lse)
 
@@ -67,7 +57,7 @@ def _attention_fwd(q, k, v, alibi_slopes, causal, window, softcap, scale, layout
 def _attention_bwd(causal, window, softcap, scale, layout, residuals, do):
     q, k, v, alibi_slopes, o, lse = residuals
     _check_concrete(do)
-    options = _options(causal, window, softcap, scale, layout)
+    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
     dq, dk, dv = api.attention_backward(do, q, k, v, o, lse, alibi_slopes=alibi_slopes, **options)
     return dq, dk, dv, None  # the slopes get no gradient
 

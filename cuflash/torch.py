@@ -42,13 +42,8 @@ def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, ...]:
 # The operators take the options in a schema-friendly form: the window as two ints (-1:
 # unbounded), the softcap as a float (0.0: none), the ALiBi slopes as an optional tensor.
 def _api_options(causal, window_left, window_right, softcap, scale, layout) -> dict:
-    return {
-        "causal": causal,
-        "window": None if window_left == window_right == -1 else (window_left, window_right),
-        "softcap": softcap or None,
-        "scale": scale,
-        "layout": layout,
-    }
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return _validate.option_kwargs(causal, window, softcap or None, scale, layout)
 
 
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=())
