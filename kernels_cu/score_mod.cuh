@@ -54,14 +54,8 @@ struct ScoreMod {
     else return tanh(x);
   }
 
-  // s' of score s of the query at `row` (row_pos) against key `col` (as T).
-  __device__ __forceinline__ T operator()(T s, T row, T col) const {
-    if constexpr (SOFTCAP) s = cap_out * tanh_of(s * cap_in);
-    if constexpr (ALIBI) s -= slope * fabs(row - col);
-    return s;
-  }
-
-  // The same, and ds'/ds in `dcap` (1 without softcap).
+  // s' of score s of the query at `row` (row_pos) against key `col` (as T), and ds'/ds in `dcap`
+  // (1 without softcap).
   __device__ __forceinline__ T operator()(T s, T row, T col, T& dcap) const {
     dcap = T(1);
     if constexpr (SOFTCAP) {
@@ -73,25 +67,27 @@ struct ScoreMod {
     return s;
   }
 
-  // Over mma / wgmma accumulator fragments s[MT][NT][4]: element (mt, nt, e) of this lane is row
-  // row0 + 16 mt + 8 (e >> 1) and column col0 + 8 nt + (e & 1) (row0, col0: the lane's first).
-  // Rows are queries and columns keys, or the other way round (KEY_ROWS, the dK/dV kernels).
-  template <bool KEY_ROWS = false, int MT, int NT>
+  // The same where ds'/ds is not needed (the forward): the compiler drops its arithmetic.
+  __device__ __forceinline__ T operator()(T s, T row, T col) const {
+    T unused;
+    return (*this)(s, row, col, unused);
+  }
+
+  // Over mma / wgmma accumulator fragments s[MT][NT][4] of query rows and key columns: element
+  // (mt, nt, e) of this lane is query row0 + 16 mt + 8 (e >> 1) and key col0 + 8 nt + (e & 1)
+  // (row0, col0: the lane's first).
+  template <int MT, int NT>
   __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0) const {
     if constexpr (ANY) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = row0 + 16 * mt + 8 * (e >> 1);
-          const float rpos = KEY_ROWS ? float(r) : row_pos(r);
+          const float rpos = row_pos(row0 + 16 * mt + 8 * (e >> 1));
           const float cbase = float(col0 + (e & 1));
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float c = cbase + float(8 * nt);
-            const float cpos = KEY_ROWS ? c + float(diag_offset) : c;
-            s[mt][nt][e] = (*this)(s[mt][nt][e], rpos, cpos);
-          }
+          for (int nt = 0; nt < NT; ++nt)
+            s[mt][nt][e] = (*this)(s[mt][nt][e], rpos, cbase + float(8 * nt));
         }
     }
   }
