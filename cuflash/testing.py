@@ -92,6 +92,17 @@ def _modified_scores(s: Any, softcap: Any, alibi_slopes: Any, xp: Any) -> tuple[
     return s, (xp.ones_like(s) if dcap is None else dcap)
 
 
+def _naive_scores(
+    q: Any, k: Any, dtype: str, scale: float, causal, window, softcap, alibi_slopes, xp: Any
+) -> tuple[Any, Any, Any]:
+    """(S, dS/dS of the product, visibility) of the naive computation: the score product at
+    `dtype` precision, then scale, softcap and ALiBi in the work precision, and the mask."""
+    work = xp.float64 if dtype == "float64" else xp.float32
+    s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
+    s, dcap = _modified_scores(s, softcap, alibi_slopes, xp)
+    return s, dcap, _mask(q.shape[2], k.shape[2], causal, window, xp)
+
+
 def naive_forward(
     q: Any,
     k: Any,
@@ -109,10 +120,8 @@ def naive_forward(
     already rounded to dtype; the softcap and ALiBi (slopes (H,) or (B, H)) in the work precision
     (float32, float64 for float64); returns (o, lse) as float64 arrays."""
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    work = xp.float64 if dtype == "float64" else xp.float32
-    s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
-    s, _ = _modified_scores(s, softcap, alibi_slopes, xp)
-    mask = _mask(q.shape[2], k.shape[2], causal, window, xp)
+    mods = (causal, window, softcap, alibi_slopes)
+    s, _, mask = _naive_scores(q, k, dtype, scale, *mods, xp)
     s = xp.where(mask, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
     m_safe = xp.where(xp.isneginf(m), 0, m)
@@ -145,9 +154,9 @@ def naive_backward(
     hkv = k.shape[1]
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     work = xp.float64 if dtype == "float64" else xp.float32
-    s = _matmul(q, k.transpose(0, 1, 3, 2), dtype, xp).astype(work) * work(scale)
-    s, dcap = _modified_scores(s, softcap, alibi_slopes, xp)
-    mask = _mask(q.shape[2], k.shape[2], causal, window, xp) & ~xp.isneginf(lse)[..., None]
+    mods = (causal, window, softcap, alibi_slopes)
+    s, dcap, mask = _naive_scores(q, k, dtype, scale, *mods, xp)
+    mask = mask & ~xp.isneginf(lse)[..., None]
     lse_safe = xp.where(xp.isneginf(lse), 0, lse).astype(work)[..., None]
     p = xp.where(mask, xp.exp(xp.where(mask, s, 0) - lse_safe), 0)
     delta = (do.astype(work) * o.astype(work)).sum(axis=-1, keepdims=True)
