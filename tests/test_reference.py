@@ -80,10 +80,14 @@ def assert_rel(got, want, tol: float, name: str = "", atol: float = 0.0) -> None
 def grad_atols(problem: Problem, q, k, v, do) -> tuple[float, float, float]:
     """Absolute error floors of (dq, dk, dv) from rounding alone. dS = P * (dP - D) carries an
     error ~ eps * d * |dO| |v| per entry even where it is 0 in exact arithmetic (with Nk = 1,
-    o = v and dq = dk = 0), so a relative bound alone fails on pure rounding noise there."""
+    o = v and dq = dk = 0), so a relative bound alone fails on pure rounding noise there. dv_j
+    sums P_ij dO_i over the rows (and heads) that see key j, terms up to |dO| that can cancel to
+    far less than the largest entry (with Nk = 1, P = 1): summed in another order (another
+    layout), it moves by up to ~ eps * rows * |dO|."""
     base = 8 * EPS * problem.scale_value * problem.d * np.abs(do).max() * np.abs(v).max()
-    rows = problem.Nq * problem.group  # the query rows that feed one key's dk
-    return base * np.abs(k).max(), base * np.abs(q).max() * math.sqrt(rows), 0.0
+    rows = problem.Nq * problem.group  # the query rows that feed one key's dk and dv
+    dv_floor = 4 * EPS * rows * np.abs(do).max()
+    return base * np.abs(k).max(), base * np.abs(q).max() * math.sqrt(rows), dv_floor
 
 
 @contextlib.contextmanager
