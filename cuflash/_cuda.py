@@ -191,8 +191,13 @@ class ForwardPlan:
 
     def _run(self, pointers: tuple[int, ...]) -> None:
         """Launches on the pointers of FORWARD_TENSORS (and the slopes')."""
+        self.launch(self.stream(self.device), pointers)
+
+    def launch(self, stream: int, pointers: tuple[int, ...]) -> None:
+        """Launches on `stream`, on the pointers of FORWARD_TENSORS (and the slopes'), o and lse
+        C-contiguous: the outputs belong to the caller (XLA's buffers under cuflash.jax)."""
         aligned = not (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15
-        self.runs.pick(aligned)(self.stream(self.device), pointers)
+        self.runs.pick(aligned)(stream, pointers)
 
     def call_arrays(self, arrays: tuple) -> tuple[Any, Any]:
         """Runs the plan on arrays whose signature it was built for (cuflash/_plans.py)."""
@@ -287,26 +292,19 @@ class BackwardPlan:
         dk = self.alloc(p.kv_shape, p.dtype, fill)
         dv = self.alloc(p.kv_shape, p.dtype, fill)
         if self.work:
-            stream = self.stream(self.device)
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc(p.lse_shape, self.delta_dtype)
-            pointers = (
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                o_ptr,
-                do_ptr,
-                lse_ptr,
-                delta.ptr,
-                dq.ptr,
-                dk.ptr,
-                dv.ptr,
-                *alibi_ptr,
-            )
-            self.preprocess.pick(not (o_ptr | do_ptr) & 15)(stream, pointers)
-            aligned = not (q_ptr | k_ptr | v_ptr | do_ptr | dq.ptr | dk.ptr | dv.ptr) & 15
-            self.dkdv.pick(aligned)(stream, pointers)
-            self.dq.pick(aligned)(stream, pointers)
+            pointers = (q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta.ptr)
+            self.launch(self.stream(self.device), (*pointers, dq.ptr, dk.ptr, dv.ptr, *alibi_ptr))
         result = self.alloc.result
         return result(dq), result(dk), result(dv)
+
+    def launch(self, stream: int, pointers: tuple[int, ...]) -> None:
+        """Launches the three kernels on `stream`, on the pointers of BACKWARD_TENSORS (and the
+        slopes'): delta, dq, dk and dv C-contiguous and owned by the caller."""
+        q, k, v, o, do, _, _, dq, dk, dv = pointers[:10]
+        self.preprocess.pick(not (o | do) & 15)(stream, pointers)
+        aligned = not (q | k | v | do | dq | dk | dv) & 15
+        self.dkdv.pick(aligned)(stream, pointers)
+        self.dq.pick(aligned)(stream, pointers)

@@ -80,9 +80,10 @@ def probe(obj: Any, name: str) -> tuple[str, tuple[str, int]]:
         return library, (CUDA, obj.device.id)
     if library == "jax" and _is_jax_tracer(obj):
         raise TypeError(
-            f"{name} is a traced JAX array ({type(obj).__name__}): cuflash runs eagerly on "
-            f"concrete arrays and cannot run inside jax.jit or other tracing transformations; "
-            f"call it outside jit (cuflash.jax.attention supports jax.grad)"
+            f"{name} is a traced JAX array ({type(obj).__name__}): cuflash.attention and its "
+            f"siblings run eagerly on concrete arrays; inside jax.jit, grad, vmap and other "
+            f"transformations use cuflash.jax.attention (or cuflash.jax.attention_forward / "
+            f"attention_backward), which run as XLA custom calls"
         )
     if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
         raise TypeError(

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels, _mask
+from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, describe, probe
 from ._problem import Problem
 
@@ -149,6 +150,11 @@ def _describe_all(named: list[tuple[Any, str]]) -> list[ArrayInfo]:
     return [describe(obj, name, library, device) for obj, name, library, device in probes]
 
 
+def abstract_info(name: str, shape: tuple[int, ...], dtype: str, device: tuple[str, int]) -> Any:
+    """An array known by shape and dtype only (a traced JAX array): C-contiguous, no data yet."""
+    return ArrayInfo(None, name, "jax", device, dtype, shape, c_contiguous_strides(shape), 0)
+
+
 def _device_words(device: tuple[str, int]) -> str:
     return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
 
@@ -188,6 +194,16 @@ def check_forward(
     """(problem, q, k, v, alibi_slopes or None) of a forward call, every argument checked."""
     named = [(q, "q"), (k, "k"), (v, "v")]
     infos = _describe_all(named + _named_alibi(alibi_slopes))
+    return check_forward_infos(
+        infos, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout
+    )
+
+
+def check_forward_infos(
+    infos: list[ArrayInfo], *, causal: Any, window: Any, softcap: Any, scale: Any, layout: Any
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo | None]:
+    """check_forward on described arrays: q, k, v (and the slopes). cuflash.jax describes the
+    abstract arrays of a trace this way (abstract_info)."""
     options = _check_options(causal, window, softcap, layout)
     problem, qi, ki, vi = _check_qkv(*infos[:3], scale, options)
     problem, alibi = _alibi_of(problem, infos[3:])
@@ -313,6 +329,15 @@ def check_backward(
     """(problem, do, q, k, v, o, lse, alibi_slopes or None) of a backward call."""
     named = [(q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (lse, "lse")]
     infos = _describe_all(named + _named_alibi(alibi_slopes))
+    return check_backward_infos(
+        infos, causal=causal, window=window, softcap=softcap, scale=scale, layout=layout
+    )
+
+
+def check_backward_infos(
+    infos: list[ArrayInfo], *, causal: Any, window: Any, softcap: Any, scale: Any, layout: Any
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, ArrayInfo, Any]:
+    """check_backward on described arrays: q, k, v, do, o, lse (and the slopes)."""
     options = _check_options(causal, window, softcap, layout)
     problem, qi, ki, vi = _check_qkv(*infos[:3], scale, options)
     doi, oi, lsei = infos[3:6]

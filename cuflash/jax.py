@@ -1,68 +1,474 @@
-"""JAX integration: attention with a custom VJP, for jax.grad on concrete arrays.
+"""JAX integration: cuflash inside ``jax.jit``, ``grad``, ``vmap``, ``checkpoint``, ``shard_map``.
 
     import cuflash.jax as cfj
-    loss = lambda q, k, v: cfj.attention(q, k, v, causal=True).sum()
-    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit
+    def loss(q, k, v):
+        return cfj.attention(q, k, v, causal=True).sum()
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 Shapes as :func:`cuflash.attention` (``layout="bshd"``: q ``(B, Nq, Hq, d)``, k/v
-``(B, Nk, Hkv, d)``; or 2-D ``(N, d)``). Buffers move between JAX and the kernels through DLPack
-without copies; the forward saves q, k, v, o and lse and the backward runs the three backward
-kernels.
+``(B, Nk, Hkv, d)``; ``"bhsd"``; or 2-D ``(N, d)``).
 
-**Eager only.** The kernels are launched from Python (through CuPy), which XLA cannot call from
-inside a compiled program. Under ``jax.jit`` (or ``vmap``, ``scan``, ``pmap``, anything that
-traces) the inputs are tracers, and ``attention`` raises a TypeError that says so, never a silent
-host round trip. Call it outside ``jit`` — ``jax.grad`` of an eager function works — and jit the
-rest of the model around it.
+How it runs: each call is one XLA custom call (``jax.experimental.buffer_callback``). When the
+compiled program reaches it, XLA hands a Python callback its stream and its buffers: the inputs,
+and outputs XLA allocated. On a GPU the callback launches the same compiled kernel instances as
+every other framework on that stream (no host synchronisation, no copies); on the CPU it runs
+the NumPy backend into the output buffers, so jitted code also runs where there is no GPU. The
+shapes are checked when the call is traced, with the errors of :func:`cuflash.attention`.
+
+- ``attention`` has a custom VJP (the backward kernels); ``attention_forward`` returns
+  ``(o, lse)`` and is differentiable through o (not through lse); ``attention_backward`` is the
+  backward as a function (not differentiable again).
+- ``vmap``: a batching rule folds the mapped axis into the batch (one launch, no Python loop).
+- Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not supported: use ``jax.vjp``,
+  ``jax.grad`` or ``jax.jacrev``.
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
+import ctypes
+import ctypes.util
+import functools
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
 
-from . import _validate, api
+from . import _cpu, _dlpack, _interop, _validate
 
-_JIT_MESSAGE = (
-    "cuflash.jax.attention got a traced array ({what}): it runs eagerly on concrete arrays and "
-    "cannot run inside jax.jit, vmap, scan or other transformations that trace, because its "
-    "kernels are launched from Python. Call it outside jit (jax.grad of an eager function "
-    "works) and jit the surrounding computation separately."
+_TRACE_DEVICE = ("cuda", -1)  # the device is known only when the call runs
+_FORWARD_NAMES = ("q", "k", "v", "alibi_slopes")
+_BACKWARD_NAMES = ("q", "k", "v", "do", "o", "lse", "alibi_slopes")
+
+_JVP_MESSAGE = (
+    "cuflash.jax.attention has no forward-mode derivative (jax.jvp, jax.jacfwd, "
+    "jax.linearize of a jvp): its gradient is a custom VJP. Use reverse mode instead: "
+    "jax.vjp, jax.grad, jax.value_and_grad or jax.jacrev."
 )
 
 
-def _check_concrete(*arrays: Any) -> None:
-    for x in arrays:
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(_JIT_MESSAGE.format(what=type(x).__name__))
+class _Options(NamedTuple):
+    """A call's options: static (hashable) parts of the trace."""
+
+    causal: Any
+    window: Any
+    softcap: Any
+    scale: Any
+    layout: Any
+
+    def kwargs(self) -> dict[str, Any]:
+        return _validate.option_kwargs(*self)
 
 
-# The options are static (hashable) arguments; the ALiBi slopes are an array without a gradient.
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
-    _check_concrete(q, k, v)
-    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
-    return api.attention(q, k, v, alibi_slopes=alibi_slopes, **options)
+def _options(causal: Any, window: Any, softcap: Any, scale: Any, layout: Any) -> _Options:
+    window = tuple(window) if isinstance(window, list) else window  # hashable
+    options = _Options(causal, window, softcap, scale, layout)
+    try:
+        hash(options)
+    except TypeError:  # an unhashable option: let validation name it
+        _validate.check_forward_infos([], **options.kwargs())
+        raise
+    return options
 
 
-def _attention_fwd(q, k, v, alibi_slopes, causal, window, softcap, scale, layout):
-    _check_concrete(q, k, v)
-    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
-    o, lse = api.attention_forward(q, k, v, alibi_slopes=alibi_slopes, **options)
-    return o, (q, k, v, alibi_slopes, o, lse)
+def _as_jax(x: Any, name: str) -> Any:
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return x
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    raise TypeError(f"{name} must be a JAX array (or a NumPy array); got {type(x).__name__}")
 
 
-def _attention_bwd(causal, window, softcap, scale, layout, residuals, do):
-    q, k, v, alibi_slopes, o, lse = residuals
-    _check_concrete(do)
-    options = _validate.option_kwargs(causal, window, softcap, scale, layout)
-    dq, dk, dv = api.attention_backward(do, q, k, v, o, lse, alibi_slopes=alibi_slopes, **options)
-    return dq, dk, dv, None  # the slopes get no gradient
+def _abstract(arrays: tuple, names: tuple[str, ...]) -> list[_interop.ArrayInfo]:
+    """The arrays of a trace as the validation sees them: shape and dtype, C-contiguous."""
+    return [
+        _validate.abstract_info(name, tuple(x.shape), jnp.dtype(x.dtype).name, _TRACE_DEVICE)
+        for x, name in zip(arrays, names, strict=False)
+    ]
+
+
+def _cpu_infos(buffers: tuple, names: tuple[str, ...]) -> list[_interop.ArrayInfo]:
+    """XLA's CPU buffers as NumPy arrays, described for the NumPy backend (no copies)."""
+    cpu = (_interop.CPU, 0)
+    return [
+        _interop.describe(np.asarray(b), name, "numpy", cpu)
+        for b, name in zip(buffers, names, strict=False)
+    ]
+
+
+class _DefaultFloatEnvironment:
+    """XLA's CPU threads flush subnormal numbers to zero (the FTZ and DAZ bits); the NumPy backend
+    runs inside one of them. Under this context it computes in the default environment, as an
+    eager call does, so that jitted and eager results agree bit for bit (C99 fegetenv/fesetenv
+    through ctypes; a no-op where the C math library is not found)."""
+
+    _FE_DFL_ENV = ctypes.c_void_p(-1)  # glibc's and macOS's FE_DFL_ENV: ((const fenv_t *) -1)
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("m")
+        self._libm = ctypes.CDLL(name) if name else None
+        self._saved = ctypes.create_string_buffer(512)  # larger than any fenv_t
+
+    def __enter__(self) -> None:
+        if self._libm is not None:
+            self._libm.fegetenv(self._saved)
+            self._libm.fesetenv(self._FE_DFL_ENV)
+
+    def __exit__(self, *_: Any) -> None:
+        if self._libm is not None:
+            self._libm.fesetenv(self._saved)
+
+
+@functools.cache
+def _float_environment() -> _DefaultFloatEnvironment:
+    return _DefaultFloatEnvironment()
+
+
+def _pointers(buffers: tuple) -> tuple[int, ...]:
+    return tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
+
+
+def _on_cpu(buffer: Any) -> bool:
+    return buffer.__dlpack_device__()[0] in (_dlpack.KDL_CPU, _dlpack.KDL_CUDA_HOST)
+
+
+class _ForwardCall:
+    """The callback of one forward problem. CUDA buffers: the plan of their device (built on its
+    first call) launches on XLA's stream into XLA's outputs; CPU buffers: the NumPy backend."""
+
+    def __init__(self, problem: Any, infos: list[_interop.ArrayInfo]) -> None:
+        self.problem, self.infos, self.plans = problem, infos, {}
+
+    def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
+        o, lse = outs
+        if _on_cpu(inputs[0]):
+            q, k, v, *alibi = _cpu_infos(inputs, _FORWARD_NAMES)
+            with _float_environment():
+                o_value, lse_value = _cpu.forward(self.problem, q, k, v, *alibi)
+            np.asarray(o)[...] = o_value
+            np.asarray(lse)[...] = lse_value
+            return
+        pointers = _pointers((*inputs[:3], o, lse, *inputs[3:]))
+        device = inputs[0].__dlpack_device__()[1]
+        plan = self.plans.get(device)
+        if plan is None:
+            plan = self.plans[device] = self._plan(device, pointers)
+        plan.launch(ctx.stream, pointers)
+
+    def _plan(self, device: int, pointers: tuple[int, ...]) -> Any:
+        from . import _cuda
+
+        problem, infos = _on_device(self.problem, self.infos, device, pointers[:3] + pointers[5:])
+        q, k, v, *alibi = infos
+        return _cuda.ForwardPlan(problem, q, k, v, alibi=alibi[0] if alibi else None)
+
+
+class _BackwardCall:
+    """The callback of one backward problem (outputs dq, dk, dv and the workspace D)."""
+
+    def __init__(self, problem: Any, infos: list[_interop.ArrayInfo]) -> None:
+        self.problem, self.infos, self.plans = problem, infos, {}
+
+    def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
+        dq, dk, dv, delta = outs
+        if _on_cpu(inputs[0]):
+            q, k, v, do, o, lse, *alibi = _cpu_infos(inputs, _BACKWARD_NAMES)
+            with _float_environment():
+                grads = _cpu.backward(self.problem, do, q, k, v, o, lse, *alibi)
+            for out, value in zip((dq, dk, dv), grads, strict=True):
+                np.asarray(out)[...] = value
+            return
+        q, k, v, do, o, lse, *alibi = inputs
+        pointers = _pointers((q, k, v, o, do, lse, delta, dq, dk, dv, *alibi))
+        device = q.__dlpack_device__()[1]
+        plan = self.plans.get(device)
+        if plan is None:
+            plan = self.plans[device] = self._plan(device, _pointers(inputs))
+        plan.launch(ctx.stream, pointers)
+
+    def _plan(self, device: int, pointers: tuple[int, ...]) -> Any:
+        from . import _cuda
+
+        problem, infos = _on_device(self.problem, self.infos, device, pointers)
+        q, k, v, do, o, lse, *alibi = infos
+        return _cuda.BackwardPlan(problem, do, q, k, v, o, lse, alibi=alibi[0] if alibi else None)
+
+
+def _on_device(problem: Any, infos: list, device: int, pointers: tuple[int, ...]) -> tuple:
+    """The traced problem and arrays on CUDA device `device`, at the first call's pointers (a
+    plan's tensor-map templates take an address; every call patches in its own)."""
+    from dataclasses import replace
+
+    where = (_interop.CUDA, device)
+    infos = [replace(i, device=where, ptr=p) for i, p in zip(infos, pointers, strict=True)]
+    return replace(problem, device=where), infos
+
+
+# ---------------------------------------------------------------------------------------------
+# The operations: one custom call each, with a batching rule that folds vmap into the batch.
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """The shard_map axes an array varies over: aval.mat.varying in newer JAX, aval.vma before."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_like(outputs: tuple, inputs: tuple) -> tuple:
+    """Inside shard_map, the outputs typed as varying over every mesh axis an input varies over
+    (the custom call's result types carry no such axes; custom_vjp checks them)."""
+    varying = frozenset().union(*(_varying_axes(x) for x in inputs))
+    if not varying:
+        return outputs
+
+    def cast(x: Any) -> Any:
+        missing = tuple(sorted(varying - _varying_axes(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+
+    return tuple(cast(x) for x in outputs)
+
+
+def _slopes_tuple(alibi_slopes: Any) -> tuple:
+    return () if alibi_slopes is None else (_as_jax(alibi_slopes, "alibi_slopes"),)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_op(options: _Options) -> Any:
+    """(q, k, v, slopes) -> (o, lse) for these options, vmappable."""
+
+    @jax.custom_batching.custom_vmap
+    def forward(q: Any, k: Any, v: Any, slopes: tuple) -> tuple[Any, Any]:
+        infos = _abstract((q, k, v, *slopes), _FORWARD_NAMES)
+        problem, *_ = _validate.check_forward_infos(infos, **options.kwargs())
+        if not problem.has_work:  # a row that sees no key: o = 0, lse = -inf
+            outputs = (
+                jnp.zeros(q.shape, q.dtype),
+                jnp.full(problem.lse_shape, -jnp.inf, problem.lse_dtype),
+            )
+        else:
+            results = (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(problem.lse_shape, problem.lse_dtype),
+            )
+            call = buffer_callback(_ForwardCall(problem, infos), results)
+            outputs = tuple(call(q, k, v, *slopes))
+        return outputs
+
+    @forward.def_vmap
+    def forward_vmap(size: int, batched: Any, q: Any, k: Any, v: Any, slopes: tuple) -> Any:
+        fold = _Fold(size)
+        q_shape = fold.example_shape(q, batched[0])
+        folded = fold.inputs((q, k, v), batched[:3])
+        o, lse = _forward_op(fold.options(options, q_shape))(
+            *folded, fold.slopes(slopes, batched[3], q_shape)
+        )
+        lse_shape = _lse_shape(q_shape, options)
+        return (fold.unfold(o, q_shape), fold.unfold(lse, lse_shape)), (True, True)
+
+    return forward
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_op(options: _Options) -> Any:
+    """(do, q, k, v, o, lse, slopes) -> (dq, dk, dv) for these options, vmappable."""
+
+    @jax.custom_batching.custom_vmap
+    def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, slopes: tuple) -> Any:
+        arrays = (q, k, v, do, o, lse, *slopes)
+        infos = _abstract(arrays, _BACKWARD_NAMES)
+        problem, *_ = _validate.check_backward_infos(infos, **options.kwargs())
+        if not problem.has_work:
+            return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros_like(v)
+        # D = rowsum(dO * O) is a workspace XLA allocates (as bytes: float64 for the exact
+        # dtypes, which JAX without x64 could not name)
+        delta_bytes = int(np.prod(problem.lse_shape)) * (4 if problem.dtype in _HALF else 8)
+        results = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((delta_bytes,), jnp.uint8),
+        )
+        call = buffer_callback(_BackwardCall(problem, infos), results)
+        return tuple(call(*arrays)[:3])
+
+    @backward.def_vmap
+    def backward_vmap(size: int, batched: Any, do, q, k, v, o, lse, slopes) -> Any:  # noqa: ANN001
+        fold = _Fold(size)
+        shapes = [fold.example_shape(x, b) for x, b in zip((q, k, v), batched[1:4], strict=True)]
+        folded = fold.inputs((do, q, k, v, o), batched[:5])
+        lse_folded = fold.lse(lse, batched[5], len(shapes[0]) == 2)
+        grads = _backward_op(fold.options(options, shapes[0]))(
+            *folded, lse_folded, fold.slopes(slopes, batched[6], shapes[0])
+        )
+        out = tuple(fold.unfold(g, s) for g, s in zip(grads, shapes, strict=True))
+        return out, (True, True, True)
+
+    return backward
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def _lse_shape(q_shape: tuple[int, ...], options: _Options) -> tuple[int, ...]:
+    """The lse shape of one example of q."""
+    if len(q_shape) == 2:
+        return (q_shape[0],)
+    if options.layout == "bhsd":
+        return q_shape[:3]
+    return (q_shape[0], q_shape[2], q_shape[1])
+
+
+class _Fold:
+    """vmap of a call as one call with a larger batch: the mapped axis (axis 0 of the batched
+    arguments; unbatched ones are broadcast) becomes part of B, so B' = V * B. A 2-D (N, d) call
+    becomes a 4-D bshd one, (V, N, 1, d): B = the mapped size, one head."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    @staticmethod
+    def example_shape(x: Any, batched: bool) -> tuple[int, ...]:
+        return tuple(x.shape[1:]) if batched else tuple(x.shape)
+
+    @staticmethod
+    def options(options: _Options, q_shape: tuple[int, ...]) -> _Options:
+        return options._replace(layout="bshd") if len(q_shape) == 2 else options
+
+    def _full(self, x: Any, batched: bool) -> Any:
+        return x if batched else jnp.broadcast_to(x, (self.size, *x.shape))
+
+    @staticmethod
+    def _fold(x: Any) -> Any:
+        if x.ndim == 3:  # a mapped 2-D array: (V, N, d) -> (V, N, 1, d)
+            return x.reshape(x.shape[0], x.shape[1], 1, x.shape[2])
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    def inputs(self, arrays: tuple, batched: tuple) -> list:
+        return [self._fold(self._full(x, b)) for x, b in zip(arrays, batched, strict=True)]
+
+    def lse(self, lse: Any, batched: bool, two_d: bool) -> Any:
+        lse = self._full(lse, batched)
+        if two_d:  # (V, N) -> (V, 1, N)
+            return lse.reshape(lse.shape[0], 1, lse.shape[1])
+        return lse.reshape(lse.shape[0] * lse.shape[1], *lse.shape[2:])
+
+    def slopes(self, slopes: tuple, batched: tuple, q_shape: tuple[int, ...]) -> tuple:
+        """Slopes (Hq,) or (B, Hq), maybe mapped, for the folded call: (Hq,) unmapped stays as
+        it is (one slope per head serves every batch); anything else becomes (V * B, Hq)."""
+        if not slopes:
+            return ()
+        (s,), (b,) = slopes, batched
+        if not b and s.ndim == 1:
+            return (s,)
+        batch = 1 if len(q_shape) == 2 else q_shape[0]
+        s = self._full(s, b)  # (V, Hq) or (V, B, Hq)
+        if s.ndim == 2:
+            s = jnp.broadcast_to(s[:, None, :], (s.shape[0], batch, s.shape[1]))
+        return (s.reshape(s.shape[0] * s.shape[1], s.shape[2]),)
+
+    def unfold(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """A folded result as (V, *shape), `shape` the shape of one example."""
+        return x.reshape(self.size, *shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation: attention's custom VJP, attention_forward's (through o), and the errors.
+
+
+def _forward(options: _Options, q: Any, k: Any, v: Any, slopes: tuple) -> tuple[Any, Any]:
+    # custom_vmap's results carry no shard_map axes: type them here, outside it
+    return _vary_like(tuple(_forward_op(options)(q, k, v, slopes)), (q, k, v, *slopes))
+
+
+def _backward(options: _Options, do, q, k, v, o, lse, slopes) -> tuple:  # noqa: ANN001
+    arrays = (do, q, k, v, o, lse, *slopes)
+    return _vary_like(tuple(_backward_op(options)(do, q, k, v, o, lse, slopes)), arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q: Any, k: Any, v: Any, slopes: tuple, options: _Options) -> Any:
+    return _forward(options, q, k, v, slopes)[0]
+
+
+def _attention_fwd(q: Any, k: Any, v: Any, slopes: tuple, options: _Options) -> Any:
+    o, lse = _forward(options, q, k, v, slopes)
+    return o, (q, k, v, slopes, o, lse)
+
+
+def _attention_bwd(options: _Options, residuals: tuple, do: Any) -> tuple:
+    q, k, v, slopes, o, lse = residuals
+    dq, dk, dv = _backward(options, do, q, k, v, o, lse, slopes)
+    return dq, dk, dv, tuple(jnp.zeros_like(s) for s in slopes)  # the slopes get no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_forward(q: Any, k: Any, v: Any, slopes: tuple, options: _Options) -> Any:
+    return _forward(options, q, k, v, slopes)
+
+
+def _attention_forward_fwd(q: Any, k: Any, v: Any, slopes: tuple, options: _Options) -> Any:
+    q, k, v = q.value, k.value, v.value
+    slopes = tuple(s.value for s in slopes)
+    o, lse = _forward(options, q, k, v, slopes)
+    return (o, lse), (q, k, v, slopes, o, lse)
+
+
+def _attention_forward_bwd(options: _Options, residuals: tuple, cotangents: tuple) -> tuple:
+    q, k, v, slopes, o, lse = residuals
+    do, dlse = cotangents
+    if not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
+        raise TypeError(
+            "cuflash.jax.attention_forward is differentiable through o only: the lse it returns "
+            "must not feed the differentiated result (its cotangent is not zero). Differentiate "
+            "through cuflash.jax.attention, or stop the gradient of lse with "
+            "jax.lax.stop_gradient."
+        )
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    dq, dk, dv = _backward(options, do, q, k, v, o, lse, slopes)
+    return dq, dk, dv, tuple(jnp.zeros_like(s) for s in slopes)
+
+
+_attention_forward.defvjp(_attention_forward_fwd, _attention_forward_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
+def _attention_backward(do, q, k, v, o, lse, slopes, options):  # noqa: ANN001, ANN202
+    return _backward(options, do, q, k, v, o, lse, slopes)
+
+
+@_attention_backward.defjvp
+def _attention_backward_jvp(options, primals, tangents):  # noqa: ANN001, ANN202
+    raise TypeError(
+        "cuflash.jax.attention_backward is not differentiable (no second derivatives of "
+        "attention); differentiate the model once, through cuflash.jax.attention"
+    )
+
+
+def _reraise_jvp(call: Any) -> Any:
+    """JAX's own error for jax.jvp of a custom VJP does not say what to use instead."""
+    try:
+        return call()
+    except TypeError as exc:
+        if "forward-mode autodiff" in str(exc):
+            raise TypeError(_JVP_MESSAGE) from exc
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The public functions.
 
 
 def attention(
@@ -77,9 +483,58 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
-    """Exact attention with a custom VJP (see the module docstring). Differentiable in q, k, v
-    with ``jax.grad``/``jax.vjp`` on concrete arrays; raises TypeError under ``jax.jit``.
-    ``window``, ``softcap`` and ``alibi_slopes`` as in :func:`cuflash.attention` (the slopes get
-    no gradient)."""
-    window = tuple(window) if isinstance(window, list) else window  # a static argument: hashable
-    return _attention(q, k, v, alibi_slopes, causal, window, softcap, scale, layout)
+    """Exact attention, differentiable in q, k and v (custom VJP: the backward kernels).
+
+    Works eagerly and under ``jax.jit``, ``grad``/``value_and_grad``/``vjp``/``jacrev``,
+    ``vmap``, ``checkpoint`` and ``shard_map``; on GPU arrays the cuflash kernels run on XLA's
+    stream, on CPU arrays the NumPy backend. Arguments as :func:`cuflash.attention` (``window``,
+    ``softcap``, ``alibi_slopes``; the slopes get no gradient). Raises TypeError under forward-mode
+    differentiation (``jax.jvp``)."""
+    options = _options(causal, window, softcap, scale, layout)
+    q, k, v = (_as_jax(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    slopes = _slopes_tuple(alibi_slopes)
+    return _reraise_jvp(lambda: _attention(q, k, v, slopes, options))
+
+
+def attention_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[jax.Array, jax.Array]:
+    """``(o, lse)`` as :func:`cuflash.attention_forward`, jittable and vmappable. Differentiable
+    through o; the lse must not feed a differentiated result (TypeError otherwise)."""
+    options = _options(causal, window, softcap, scale, layout)
+    q, k, v = (_as_jax(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    slopes = _slopes_tuple(alibi_slopes)
+    return _reraise_jvp(lambda: _attention_forward(q, k, v, slopes, options))
+
+
+def attention_backward(
+    do: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    o: jax.Array,
+    lse: jax.Array,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` as :func:`cuflash.attention_backward`, jittable and vmappable (o and lse
+    as attention_forward returned them). Not differentiable."""
+    options = _options(causal, window, softcap, scale, layout)
+    named = ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))
+    do, q, k, v, o, lse = (_as_jax(x, n) for x, n in named)
+    slopes = _slopes_tuple(alibi_slopes)
+    return _attention_backward(do, q, k, v, o, lse, slopes, options)
