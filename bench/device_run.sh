@@ -13,6 +13,10 @@
 #               docs/perf/NOTES.md, "A/B against an earlier commit"), $AB_ARGS
 #     mods      bench/bench_score_mods.py: windows, softcap, ALiBi against dense, FlexAttention
 #               and JAX's cuDNN attention, $MODS_ARGS
+#     jax       cuflash.jax: host overhead and a training step against jax.nn.dot_product_attention
+#               (bench/bench_jax.py), the typed-FFI alternative (bench/jax_ffi_ctypes.py) and
+#               XLA command buffers (bench/jax_command_buffer.py)
+#   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -44,8 +48,10 @@ if [[ ${COLD:-1} == 1 ]] && has tests; then
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
 fi
 # Every instance into the cache, in parallel (later steps only load binaries).
-$PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
-say "precompile exit $?: $(tail -1 "$LOGS/precompile.log")"
+if [[ ${PRECOMPILE:-1} == 1 ]]; then
+  $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
+  say "precompile exit $?: $(tail -1 "$LOGS/precompile.log")"
+fi
 
 # The timed runs first, on a quiet GPU.
 if has ab; then
@@ -60,6 +66,19 @@ if has mods; then
     > "$LOGS/mods.log" 2>"$LOGS/mods.err"
   say "mods exit $?"
   cat "$OUT/mods/score_mods_table.txt" >> "$SUMMARY" 2>/dev/null
+fi
+
+if has jax; then
+  timeout ${JAX_TIMEOUT:-240} $PY bench/bench_jax.py ${JAX_ARGS:-} --out "$OUT/jax" \
+    > "$LOGS/jax.log" 2>"$LOGS/jax.err"
+  say "bench_jax exit $?"
+  cat "$OUT/jax/jax_table.txt" >> "$SUMMARY" 2>/dev/null
+  OUT=$OUT/jax timeout 120 $PY bench/jax_ffi_ctypes.py > "$LOGS/jax_ffi.log" 2>&1
+  say "jax_ffi_ctypes exit $?"
+  tail -12 "$LOGS/jax_ffi.log" >> "$SUMMARY"
+  timeout 120 $PY bench/jax_command_buffer.py --out "$OUT/jax" > "$LOGS/jax_cmdbuf.log" 2>&1
+  say "jax_command_buffer exit $?"
+  tail -3 "$LOGS/jax_cmdbuf.log" >> "$SUMMARY"
 fi
 
 if has bench; then

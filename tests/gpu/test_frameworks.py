@@ -1,5 +1,6 @@
 """The framework integrations on the GPU: torch autograd, torch.compile, CUDA graphs, streams and
-devices; jax.grad; CuPy streams and devices; the SDPA drop-in in a training loop."""
+devices; jax.grad (jit, vmap and the rest: tests/gpu/test_jax_gpu.py); CuPy streams and devices;
+the SDPA drop-in in a training loop."""
 
 from __future__ import annotations
 
@@ -186,8 +187,11 @@ def test_jax_grad_on_the_gpu():
     for g, ref in zip(grads, (qt.grad, kt.grad, vt.grad), strict=True):
         ref = ref.transpose(1, 2).cpu().numpy()
         assert np.linalg.norm(np.asarray(g) - ref) / np.linalg.norm(ref) < 1e-6
-    with pytest.raises(TypeError, match="cannot run inside jax.jit"):
-        jax.jit(lambda q: cfj.attention(q, q, q))(q)
+    jitted = jax.jit(
+        jax.grad(lambda q, k, v: (cfj.attention(q, k, v, causal=True) * w).sum(), argnums=(0, 1))
+    )(q, k, v)
+    for g, x in zip(jitted, grads, strict=False):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
     assert jnp.isfinite(grads[0]).all()
 
 
