@@ -77,9 +77,7 @@ def run(command_buffer: bool) -> dict:
     one = jax.jit(lambda q: cfj.attention(q, q, q))
     one(q).block_until_ready()
     call_us = median_us(lambda: one(q), 300)
-    loop1000 = jax.jit(
-        lambda q: jax.lax.fori_loop(0, 1000, lambda i, x: cfj.attention(x, q, q), q)
-    )
+    loop1000 = jax.jit(lambda q: jax.lax.fori_loop(0, 1000, lambda i, x: cfj.attention(x, q, q), q))
     loop1000(q).block_until_ready()
     loop_us = median_us(lambda: loop1000(q), 10) / 1000
     return {
