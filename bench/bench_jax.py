@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -243,7 +244,7 @@ def table(report: dict) -> str:
     env = report["environment"]
     lines.append(
         f"cuflash.jax benchmark: jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"{env['platform']} device {env['device']}"
+        f"{env['platform']} device {env['device']}, XLA_FLAGS={env.get('xla_flags', '')!r}"
     )
     ov = report["overhead"]
     p = ov["problem"]
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     training = load_training_module()
     report = {"environment": environment(), "args": vars(args)}
+    report["environment"]["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     report["overhead"] = bench_overhead(args)
     tr = report["training"] = bench_training(args, training)
     peer = tr["peer"]

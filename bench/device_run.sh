@@ -14,8 +14,9 @@
 #     mods      bench/bench_score_mods.py: windows, softcap, ALiBi against dense, FlexAttention
 #               and JAX's cuDNN attention, $MODS_ARGS
 #     jax       cuflash.jax: host overhead and a training step against jax.nn.dot_product_attention
-#               (bench/bench_jax.py), the typed-FFI alternative (bench/jax_ffi_ctypes.py) and
-#               XLA command buffers (bench/jax_command_buffer.py)
+#               (bench/bench_jax.py), with XLA's default flags and with custom calls in CUDA
+#               graphs; the command-buffer check (bench/jax_command_buffer.py); with JAX_FFI=1
+#               also the typed-FFI alternative (bench/jax_ffi_ctypes.py)
 #   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
@@ -69,16 +70,26 @@ if has mods; then
 fi
 
 if has jax; then
-  timeout ${JAX_TIMEOUT:-240} $PY bench/bench_jax.py ${JAX_ARGS:-} --out "$OUT/jax" \
+  # XLA's default flags, then flags that put custom calls into CUDA graphs (command buffers)
+  GRAPH_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+  timeout ${JAX_TIMEOUT:-200} $PY bench/bench_jax.py ${JAX_ARGS:-} --out "$OUT/jax" \
     > "$LOGS/jax.log" 2>"$LOGS/jax.err"
   say "bench_jax exit $?"
   cat "$OUT/jax/jax_table.txt" >> "$SUMMARY" 2>/dev/null
-  OUT=$OUT/jax timeout 120 $PY bench/jax_ffi_ctypes.py > "$LOGS/jax_ffi.log" 2>&1
-  say "jax_ffi_ctypes exit $?"
-  tail -12 "$LOGS/jax_ffi.log" >> "$SUMMARY"
-  timeout 120 $PY bench/jax_command_buffer.py --out "$OUT/jax" > "$LOGS/jax_cmdbuf.log" 2>&1
-  say "jax_command_buffer exit $?"
-  tail -3 "$LOGS/jax_cmdbuf.log" >> "$SUMMARY"
+  XLA_FLAGS=$GRAPH_FLAGS timeout ${JAX_TIMEOUT:-200} $PY bench/bench_jax.py ${JAX_ARGS:-} \
+    --out "$OUT/jax_graphs" > "$LOGS/jax_graphs.log" 2>"$LOGS/jax_graphs.err"
+  say "bench_jax with XLA_FLAGS=$GRAPH_FLAGS exit $?"
+  cat "$OUT/jax_graphs/jax_table.txt" >> "$SUMMARY" 2>/dev/null
+  if [[ ${JAX_FFI:-0} == 1 ]]; then
+    OUT=$OUT/jax timeout 120 $PY bench/jax_ffi_ctypes.py > "$LOGS/jax_ffi.log" 2>&1
+    say "jax_ffi_ctypes exit $?"
+    tail -12 "$LOGS/jax_ffi.log" >> "$SUMMARY"
+  fi
+  for flag in "" --graph-flags; do
+    timeout 120 $PY bench/jax_command_buffer.py $flag --out "$OUT/jax" > "$LOGS/jax_cmdbuf$flag.log" 2>&1
+    say "jax_command_buffer $flag exit $?"
+    tail -3 "$LOGS/jax_cmdbuf$flag.log" >> "$SUMMARY"
+  done
 fi
 
 if has bench; then

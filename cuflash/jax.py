@@ -237,6 +237,15 @@ def _vary_like(outputs: tuple, inputs: tuple) -> tuple:
     return tuple(cast(x) for x in outputs)
 
 
+def _custom_call(callback: Any, results: tuple) -> Any:
+    """One XLA custom call running `callback`. It may be recorded into XLA's CUDA graphs
+    (command buffers): the callback then runs while XLA captures the graph and its launches are
+    replayed. That is sound because a launch depends only on the problem and the buffers'
+    addresses, and XLA captures again when the addresses change. Where XLA does not build command
+    buffers for custom calls, the callback runs on every call."""
+    return buffer_callback(callback, results, command_buffer_compatible=True)
+
+
 def _slopes_tuple(alibi_slopes: Any) -> tuple:
     return () if alibi_slopes is None else (_as_jax(alibi_slopes, "alibi_slopes"),)
 
@@ -259,7 +268,7 @@ def _forward_op(options: _Options) -> Any:
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(problem.lse_shape, problem.lse_dtype),
             )
-            call = buffer_callback(_ForwardCall(problem, infos), results)
+            call = _custom_call(_ForwardCall(problem, infos), results)
             outputs = tuple(call(q, k, v, *slopes))
         return outputs
 
@@ -297,7 +306,7 @@ def _backward_op(options: _Options) -> Any:
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct((delta_bytes,), jnp.uint8),
         )
-        call = buffer_callback(_BackwardCall(problem, infos), results)
+        call = _custom_call(_BackwardCall(problem, infos), results)
         return tuple(call(*arrays)[:3])
 
     @backward.def_vmap

@@ -133,3 +133,64 @@ def test_checkpointed_training_gradients_match_the_float64_reference():
     want = reference.backward(x64[3], *x64[:3], o_ref, lse_ref, causal=True)
     for g, ref in zip(grads, want, strict=True):
         assert np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(ref) < 1e-6
+
+
+GRAPH_SCRIPT = """
+import numpy as np, jax, jax.numpy as jnp
+import cuflash, cuflash.jax as cfj
+
+runs = []
+for cls in (cfj._ForwardCall, cfj._BackwardCall):
+    def counted(self, *args, _call=cls.__call__):
+        runs.append(type(self).__name__)
+        return _call(self, *args)
+    cls.__call__ = counted
+
+rng = np.random.default_rng(6)
+k = jnp.asarray(rng.standard_normal((2, 700, 2, 128)), jnp.bfloat16)
+
+def step(i, q):
+    return (cfj.attention(q, k, k, causal=True) * 2).astype(q.dtype) + q
+
+loop = jax.jit(lambda q: jax.lax.fori_loop(0, 25, step, q))
+grad = jax.jit(jax.grad(lambda q: cfj.attention(q, k, k).astype(jnp.float32).sum()))
+for seed in range(4):  # new inputs, new buffers: XLA must capture again or replay correctly
+    q = jnp.asarray(np.random.default_rng(seed).standard_normal((2, 500, 4, 128)), jnp.bfloat16)
+    got, got_grad = loop(q), grad(q)
+    want = q
+    for _ in range(25):
+        want = jax.jit(lambda o, q: (o * 2).astype(q.dtype) + q)(
+            cuflash.attention(want, k, k, causal=True), want
+        )
+    o, lse = cuflash.attention_forward(q, k, k)
+    want_grad = cuflash.attention_backward(jnp.ones_like(o), q, k, k, o, lse)[0]
+    for a, b in ((got, want), (got_grad, want_grad)):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+# eager cuflash calls above run outside XLA; the jitted ones' callbacks ran only when captured
+print("callbacks", len(runs))
+"""
+
+
+def test_command_buffers_record_the_launches_and_replay_them_correctly():
+    """With XLA_FLAGS that put custom calls into CUDA graphs (set before the backend starts, so
+    in a fresh process, where the very first callback runs under stream capture), the jitted
+    loop's 25 calls and the gradient's calls run Python only while XLA captures, and every
+    replay on new inputs gives the eager bits."""
+    import os
+    import subprocess
+    import sys
+
+    flags = (
+        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+        "--xla_gpu_graph_min_graph_size=1"
+    )
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cuflash.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", GRAPH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = int(result.stdout.split("callbacks")[-1])
+    # without capture: 4 x (25 forward calls + a forward and a backward) = 108 callbacks
+    assert runs < 40, result.stdout
