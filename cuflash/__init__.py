@@ -3,6 +3,7 @@
     o = cuflash.attention(q, k, v, causal=False, scale=None, layout="bshd")
     o, lse = cuflash.attention_forward(q, k, v, ...)
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, ...)
+    o, lse = cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  # packed
 
 Inputs are any DLPack arrays (NumPy, CuPy, PyTorch, JAX); results come back in the caller's
 library. ``cuflash.reference`` is the float64 NumPy reference the kernels are tested against.
@@ -10,7 +11,23 @@ CuPy is imported only when a CUDA array arrives, so the CPU backend needs NumPy 
 """
 
 from . import reference
-from .api import attention, attention_backward, attention_forward
+from .api import (
+    attention,
+    attention_backward,
+    attention_forward,
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_forward", "attention_backward", "reference", "__version__"]
+__all__ = [
+    "attention",
+    "attention_forward",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+    "reference",
+    "__version__",
+]

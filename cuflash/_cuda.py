@@ -31,14 +31,19 @@ FORWARD_TENSORS = ("q", "k", "v", "o", "lse")
 BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
 
 
-def _with_alibi(
+# Packed calls also pass the offsets of their sequences, after the tensors (and the slopes).
+PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")
+
+
+def _with_extras(
     p: Problem, tensors: tuple[str, ...], strides: _dispatch.Strides, alibi: ArrayInfo | None
 ) -> tuple[str, ...]:
-    """The call's tensors, and the slopes' strides in `strides`, where it has ALiBi slopes."""
-    if alibi is None:
-        return tensors
-    strides["alibi"] = _validate.alibi_strides(alibi)
-    return (*tensors, "alibi")
+    """The pointers a call passes: the tensors, then the ALiBi slopes where it has them (their
+    strides go into `strides`), then the packed sequences' offsets where it has them."""
+    if alibi is not None:
+        strides["alibi"] = _validate.alibi_strides(alibi)
+        tensors = (*tensors, "alibi")
+    return (*tensors, *PACKED_OFFSETS) if p.packed else tensors
 
 
 class Run:
@@ -177,7 +182,7 @@ class ForwardPlan:
             "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
             "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
         }
-        tensors = _with_alibi(p, FORWARD_TENSORS, strides, alibi)
+        tensors = _with_extras(p, FORWARD_TENSORS, strides, alibi)
         arch, sms = _target(self.device)
         self.runs = _ready(
             p,
@@ -209,17 +214,18 @@ class ForwardPlan:
         lse = empty(self.shapes[2], dtype=lse_dtype, device=device)
         pointers = (q.data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr())
         pointers += (o.data_ptr(), lse.data_ptr())
-        self._run(pointers if len(arrays) == 3 else (*pointers, arrays[3].data_ptr()))
+        self._run((*pointers, *(a.data_ptr() for a in arrays[3:])))
         return o, lse
 
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, *alibi_ptr: int) -> tuple[Any, Any]:
-        """Runs the plan on the pointers of q, k, v (and the ALiBi slopes, where it has them)."""
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, *extra_ptr: int) -> tuple[Any, Any]:
+        """Runs the plan on the pointers of q, k, v (then the ALiBi slopes and the packed
+        sequences' offsets, where it has them)."""
         o_shape, dtype, lse_shape, lse_dtype = self.shapes
         # a row that sees no key (no keys at all, here) has o = 0 and lse = -inf
         o = self.alloc(o_shape, dtype, None if self.work else 0.0)
         lse = self.alloc(lse_shape, lse_dtype, None if self.work else -np.inf)
         if self.work:
-            self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *alibi_ptr))
+            self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *extra_ptr))
         return self.alloc.result(o), self.alloc.result(lse)
 
 
@@ -259,7 +265,7 @@ class BackwardPlan:
             "dk": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
             "dv": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
         }
-        tensors = _with_alibi(p, BACKWARD_TENSORS, strides, alibi)
+        tensors = _with_extras(p, BACKWARD_TENSORS, strides, alibi)
         arch, sms = _target(self.device)
         self.preprocess, self.dkdv, self.dq = _ready(
             p,
@@ -283,9 +289,10 @@ class BackwardPlan:
         v_ptr: int,
         o_ptr: int,
         lse_ptr: int,
-        *alibi_ptr: int,
+        *extra_ptr: int,
     ) -> tuple[Any, Any, Any]:
-        """Runs the plan on the pointers of do, q, k, v, o, lse (and the ALiBi slopes)."""
+        """Runs the plan on the pointers of do, q, k, v, o, lse (then the ALiBi slopes and the
+        packed sequences' offsets, where it has them)."""
         p = self.p
         fill = None if self.work else 0.0
         dq = self.alloc(p.q_shape, p.dtype, fill)
@@ -296,7 +303,7 @@ class BackwardPlan:
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc(p.lse_shape, self.delta_dtype)
             pointers = (q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta.ptr)
-            self.launch(self.stream(self.device), (*pointers, dq.ptr, dk.ptr, dv.ptr, *alibi_ptr))
+            self.launch(self.stream(self.device), (*pointers, dq.ptr, dk.ptr, dv.ptr, *extra_ptr))
         result = self.alloc.result
         return result(dq), result(dk), result(dv)
 

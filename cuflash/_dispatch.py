@@ -57,6 +57,7 @@ class Launch:
     row_shift: int = 0  # TMA forward: rows of the first block before row 0
     lanes_per_row: int = 32  # preprocess
     maps: tuple[tuple[str, int], ...] = field(default=())  # TMA: (tensor, box rows), in order
+    sizes: tuple[tuple[str, int], ...] = ()  # Params sizes that differ from the problem's
 
     def params_fields(self) -> dict[str, int]:
         return {
@@ -66,6 +67,7 @@ class Launch:
             "paired": int(self.paired),
             "row_shift": self.row_shift,
             "lanes_per_row": self.lanes_per_row,
+            **dict(self.sizes),
         }
 
 
@@ -123,12 +125,19 @@ def backward(
     # two), where O and dO allow it; else a warp per row, element by element.
     pre = _kernels.instance("preprocess", "rows", p.dtype, 0)
     warps = pre.rows_per_block
-    scalar = Launch(pre, _ceil_div(p.rows_q, warps), 0)
+    # Packed: the rows of every sequence, as one sequence of total_q rows per head.
+    sizes = (("seq_q", p.total_q),) if p.packed else ()
+    scalar = Launch(pre, _ceil_div(p.rows_q, warps), 0, sizes=sizes)
     if p.dtype in _kernels.TENSOR_CORE_DTYPES and _chunked(p, strides, ("o", "dout")):
         chunks = _ceil_div(p.head_dim, _chunk(p))
         lanes = 1 << max(0, math.ceil(math.log2(chunks)))
         vectors = Launch(
-            pre, _ceil_div(p.rows_q, warps * (32 // lanes)), 0, True, lanes_per_row=lanes
+            pre,
+            _ceil_div(p.rows_q, warps * (32 // lanes)),
+            0,
+            True,
+            lanes_per_row=lanes,
+            sizes=sizes,
         )
         preprocess = Pair(vectors, scalar)
     else:
@@ -164,6 +173,7 @@ def features(p: Problem) -> int:
         (_kernels.FEATURE_LOCAL if p.mask.local else 0)
         | (_kernels.FEATURE_SOFTCAP if p.softcap is not None else 0)
         | (_kernels.FEATURE_ALIBI if p.alibi else 0)
+        | (_kernels.FEATURE_PACKED if p.packed else 0)
     )
 
 

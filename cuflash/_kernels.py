@@ -36,8 +36,11 @@ TENSOR_CORE_PATHS = ("tma", "wgmma", "mma")
 FEATURE_LOCAL = 1  # the mask has a left bound (a sliding window)
 FEATURE_SOFTCAP = 2  # S = c tanh(S / c)
 FEATURE_ALIBI = 4  # S -= slope |i + Nk - Nq - j|
+FEATURE_PACKED = 8  # packed variable-length sequences (kernels_cu/params.cuh, Seq)
 # The feature sets the library launches (every combination), and so the compile check builds.
-FEATURE_SETS = tuple(range(8))
+FEATURE_SETS = tuple(range(16))
+# Packed calls take the kernels that own one sequence's rows per block: the warp-specialised TMA
+# kernels walk flat work lists and load whole boxes, which would reach into the next sequence.
 # Features whose backward runs on the mma.sync kernels on every architecture (paths): the Hopper
 # backward kernels spilled 20-112 bytes with the softcap (docs/perf/NOTES.md, v11).
 BACKWARD_ON_MMA = FEATURE_SOFTCAP
@@ -214,11 +217,12 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
     hopper = arch == "sm_90a" and not modified_backward
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
     spills = family in ("dq", "dkdv") and features & _TMA_BACKWARD_SPILLS.get(bucket, 0)
+    no_tma = spills or features & FEATURE_PACKED
     return tuple(
         path
         for path in TENSOR_CORE_PATHS
         if path == "mma"
-        or (hopper and bucket in tables[path][family] and not (path == "tma" and spills))
+        or (hopper and bucket in tables[path][family] and not (path == "tma" and no_tma))
     )
 
 

@@ -57,6 +57,8 @@ class Params(ctypes.Structure):
         ("row_shift", _i32),
         ("paired", _i32),
         ("lanes_per_row", _i32),
+        ("total_q", _i32),
+        ("total_k", _i32),
         ("num_work", _i64),
         ("rows", _i64),
     ]
@@ -83,6 +85,7 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
     params.seq_q, params.seq_k, params.head_dim = p.seq_q, p.seq_k, p.head_dim
     params.window_left, params.window_right = mask.left, mask.right
     params.rows = p.rows_q
+    params.total_q, params.total_k = p.total_q, p.total_k
     # The forward scales P by 2^-p_shift (kernels_cu/softmax.cuh): bfloat16 V can reach float32's
     # range, where sum_j P_j V_j could overflow; float16 V cannot.
     if p.dtype == "bfloat16" and p.seq_k > 1:
@@ -90,6 +93,15 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
     for name, value in launch.items():
         setattr(params, name, value)
     return params
+
+
+def pointer_offset(name: str) -> int:
+    """Where the pointer of `name` lies in Params: a TensorRef's ptr, or a plain pointer field
+    (cu_seqlens_q, cu_seqlens_k)."""
+    field = getattr(Params, name)
+    if name in TENSORS:
+        return field.offset + TensorRef.ptr.offset
+    return field.offset
 
 
 class Arguments:
@@ -108,10 +120,7 @@ class Arguments:
         self.address = ctypes.addressof(self._pointers)  # kernelParams of cuLaunchKernel
         self._map_bytes = memoryview(self.maps).cast("B") if maps else None
         self._fields = tuple(
-            ctypes.c_uint64.from_buffer(
-                self.params, getattr(Params, name).offset + TensorRef.ptr.offset
-            )
-            for name in tensors
+            ctypes.c_uint64.from_buffer(self.params, pointer_offset(name)) for name in tensors
         )
 
     def set_pointers(self, pointers: tuple[int, ...]) -> None:

@@ -30,6 +30,12 @@ class Problem:
     library: str
     softcap: float | None = None  # S = softcap * tanh(S / softcap)
     alibi: bool = False  # ALiBi slopes come with the call (their array travels beside it)
+    # Packed variable-length sequences (attention_varlen_*): q (total_q, Hq, d), k and v
+    # (total_k, Hkv, d), lse (Hq, total_q); `batch` sequences given by cu_seqlens offsets, seq_q and
+    # seq_k the longest sequence's rows and keys (max_seqlen_q, max_seqlen_k).
+    packed: bool = False
+    total_q: int = 0
+    total_k: int = 0
 
     @property
     def mask(self) -> _mask.Mask:
@@ -62,28 +68,42 @@ class Problem:
 
     @property
     def q_shape(self) -> tuple[int, ...]:
+        if self.packed:
+            return (self.total_q, self.heads_q, self.head_dim)
         return self.shape(self.seq_q, self.heads_q)
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
+        if self.packed:
+            return (self.total_k, self.heads_kv, self.head_dim)
         return self.shape(self.seq_k, self.heads_kv)
 
     @property
     def lse_shape(self) -> tuple[int, ...]:
+        if self.packed:
+            return (self.heads_q, self.total_q)
         return (self.seq_q,) if self.two_d else (self.batch, self.heads_q, self.seq_q)
 
     @property
     def rows_q(self) -> int:
-        """Query rows of every head: B * Hq * Nq."""
+        """Query rows of every head: B * Hq * Nq (packed: Hq * total_q)."""
+        if self.packed:
+            return self.heads_q * self.total_q
         return self.batch * self.heads_q * self.seq_q
 
     @property
     def has_work(self) -> bool:
         """Whether a kernel has anything to compute (some query row and some key)."""
+        if self.packed:
+            keys = self.heads_kv * self.total_k * self.seq_k
+            return self.batch * self.rows_q * self.seq_q > 0 and keys > 0
         return self.rows_q > 0 and self.batch * self.heads_kv * self.seq_k > 0
 
     def bhs_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
-        """(batch, head, sequence) strides of a q/k/v-shaped array in this problem's layout."""
+        """(batch, head, sequence) strides of a q/k/v-shaped array in this problem's layout
+        (packed: no batch stride; the kernels find each sequence's rows by its offsets)."""
+        if self.packed:
+            return (0, strides[1], strides[0])
         if self.two_d:
             return (0, 0, strides[0])
         if self.layout == "bshd":
@@ -92,4 +112,6 @@ class Problem:
 
     def lse_strides(self, strides: tuple[int, ...]) -> tuple[int, int, int]:
         """(batch, head, row) strides of an lse-shaped array."""
+        if self.packed:  # (Hq, total_q)
+            return (0, strides[0], strides[1])
         return (0, 0, strides[0]) if self.two_d else (strides[0], strides[1], strides[2])

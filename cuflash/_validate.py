@@ -37,6 +37,11 @@ def option_kwargs(
     }
 
 
+def varlen_option_kwargs(causal: Any, window: Any, softcap: Any, scale: Any) -> dict[str, Any]:
+    """A packed call's options as keyword arguments of check_varlen_forward/backward."""
+    return {"causal": causal, "window": window, "softcap": softcap, "scale": scale}
+
+
 def check_layout(layout: Any) -> str:
     if not isinstance(layout, str):
         raise TypeError(f"layout must be 'bshd' or 'bhsd'; got {type(layout).__name__} {layout!r}")
@@ -356,3 +361,184 @@ def check_backward_infos(
         raise ValueError(f"lse must have shape {words} = {problem.lse_shape}; got {lsei.shape}")
     problem, alibi = _alibi_of(problem, infos[6:])
     return problem, doi, qi, ki, vi, oi, lsei, alibi
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences (attention_varlen_*)
+
+
+def check_varlen_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    alibi_slopes: Any = None,
+    *,
+    max_seqlen_q: Any = None,
+    max_seqlen_k: Any = None,
+    check_seqlens: Any = False,
+    causal: Any = False,
+    window: Any = None,
+    softcap: Any = None,
+    scale: Any = None,
+) -> tuple[Problem, list[ArrayInfo], Any]:
+    """(problem, [q, k, v, alibi or None, cu_seqlens_q, cu_seqlens_k], offsets or None) of a
+    packed forward call; offsets (cuflash/_varlen.py, Offsets) when they were read to the host."""
+    named = [(q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q")]
+    named += [(cu_seqlens_k, "cu_seqlens_k")] + _named_alibi(alibi_slopes)
+    infos = _describe_all(named)
+    qi, ki, vi, cqi, cki = infos[:5]
+    options = _check_options(causal, window, softcap, "bshd")
+    problem, offsets = _check_packed(
+        qi, ki, vi, cqi, cki, scale, options, max_seqlen_q, max_seqlen_k, check_seqlens
+    )
+    problem, alibi = _alibi_of(problem, infos[5:])
+    return problem, [qi, ki, vi, alibi, cqi, cki], offsets
+
+
+def check_varlen_backward(
+    do: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    alibi_slopes: Any = None,
+    **options: Any,
+) -> tuple[Problem, list[ArrayInfo], Any]:
+    """(problem, [do, q, k, v, o, lse, alibi or None, cu_seqlens_q, cu_seqlens_k], offsets) of a
+    packed backward call."""
+    problem, (qi, ki, vi, alibi, cqi, cki), offsets = check_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **options
+    )
+    doi, oi, lsei = _describe_all([(q, "q"), (do, "do"), (o, "o"), (lse, "lse")])[1:]
+    _check_outputs_like(problem, qi, doi, oi, lsei, "(Hq, Tq)")
+    return problem, [doi, qi, ki, vi, oi, lsei, alibi, cqi, cki], offsets
+
+
+def _check_outputs_like(
+    problem: Problem, qi: ArrayInfo, doi: ArrayInfo, oi: ArrayInfo, lsei: ArrayInfo, words: str
+) -> None:
+    for info in (doi, oi):
+        _check_dtype(info, qi.dtype)
+        if info.shape != qi.shape:
+            raise ValueError(f"{info.name} must have the shape of q {qi.shape}; got {info.shape}")
+        _check_last_dim_contiguous(info)
+    if lsei.dtype != problem.lse_dtype:
+        raise TypeError(
+            f"lse must have dtype {problem.lse_dtype} (as the forward returns it for "
+            f"{problem.dtype} inputs); got {lsei.dtype}"
+        )
+    if lsei.shape != problem.lse_shape:
+        raise ValueError(f"lse must have shape {words} = {problem.lse_shape}; got {lsei.shape}")
+
+
+def _check_max_seqlen(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0 or None; got {type(value).__name__} {value!r}")
+    if int(value) < 0 or int(value) >= _mask.MAX_SEQ:
+        raise ValueError(f"{name} must be in [0, 2**29); got {int(value)}")
+    return int(value)
+
+
+def _check_packed(
+    qi: ArrayInfo,
+    ki: ArrayInfo,
+    vi: ArrayInfo,
+    cqi: ArrayInfo,
+    cki: ArrayInfo,
+    scale: Any,
+    options: dict[str, Any],
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    check_seqlens: Any,
+) -> tuple[Problem, Any]:
+    from . import _varlen
+
+    for info in (qi, ki, vi):
+        _check_dtype(info, None if info is qi else qi.dtype)
+        if len(info.shape) != 3:
+            heads = "Hq" if info is qi else "Hkv"
+            raise ValueError(
+                f"{info.name} must be a 3-D packed array (T, {heads}, d); got shape {info.shape}"
+            )
+        _check_last_dim_contiguous(info)
+    if ki.shape != vi.shape:
+        raise ValueError(f"k and v must have the same shape; got k {ki.shape} and v {vi.shape}")
+    (total_q, heads_q, d), (total_k, heads_kv, dk) = qi.shape, ki.shape
+    if dk != d:
+        raise ValueError(f"k and v must have head dim {d} like q; got k shape {ki.shape}")
+    if d == 0 or d > _kernels.MAX_HEAD_DIM:
+        raise ValueError(
+            f"the head dim (last dimension of q, k, v) must be in 1..{_kernels.MAX_HEAD_DIM}; "
+            f"got {d}"
+        )
+    if (heads_kv == 0 and heads_q != 0) or (heads_kv and heads_q % heads_kv):
+        raise ValueError(
+            f"the number of query heads ({heads_q}) must be a multiple of the number of key/value "
+            f"heads ({heads_kv}); got q shape {qi.shape}, k shape {ki.shape}"
+        )
+    for name, total in (("q", total_q), ("k", total_k)):
+        if total >= _mask.MAX_SEQ:
+            raise ValueError(f"{name} must have fewer than 2**29 rows; got {total}")
+    for info in (cqi, cki):
+        if info.dtype != "int32":
+            raise TypeError(f"{info.name} must have dtype int32; got {info.dtype}")
+        if len(info.shape) != 1 or info.shape[0] < 1:
+            raise ValueError(
+                f"{info.name} must be a 1-D array of B + 1 >= 1 offsets; got shape {info.shape}"
+            )
+        if info.shape[0] > 1 and info.strides[0] != 1:
+            raise ValueError(f"{info.name} must be contiguous; got stride {info.strides[0]}")
+    if cki.shape != cqi.shape:
+        raise ValueError(
+            f"cu_seqlens_k must have the length of cu_seqlens_q ({cqi.shape[0]} = B + 1); got "
+            f"{cki.shape[0]}"
+        )
+    if not isinstance(check_seqlens, (bool, np.bool_)):
+        raise TypeError(f"check_seqlens must be a bool; got {type(check_seqlens).__name__}")
+    given = [
+        None if m is None else _check_max_seqlen(n, m)
+        for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+    ]
+    offsets = None
+    if check_seqlens or None in given or qi.device[0] == "cpu":
+        offsets = _varlen.read_offsets(cqi, cki, total_q, total_k)
+        for name, longest, value in zip(
+            ("max_seqlen_q", "max_seqlen_k"),
+            (offsets.longest_q, offsets.longest_k),
+            given,
+            strict=True,
+        ):
+            if value is not None and value < longest:
+                raise ValueError(
+                    f"{name} must be at least the longest sequence's length ({longest}); got "
+                    f"{value}"
+                )
+        given = [
+            offsets.longest_q if given[0] is None else given[0],
+            offsets.longest_k if given[1] is None else given[1],
+        ]
+    problem = Problem(
+        cqi.shape[0] - 1,
+        heads_q,
+        heads_kv,
+        given[0],
+        given[1],
+        d,
+        qi.dtype,
+        "bshd",
+        False,
+        options["window"],
+        check_scale(scale, d),
+        qi.device,
+        qi.library,
+        options["softcap"],
+        packed=True,
+        total_q=total_q,
+        total_k=total_k,
+    )
+    return problem, offsets

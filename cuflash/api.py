@@ -174,3 +174,134 @@ def poison_outputs() -> bool:
     variable CUFLASH_POISON_OUTPUTS=1; read when a plan is built, never per call): a debugging
     aid that makes every element a kernel fails to write show up. The GPU tests run so."""
     return os.environ.get("CUFLASH_POISON_OUTPUTS") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences
+
+
+def attention_varlen_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
+    scale: float | None = None,
+    check_seqlens: bool = False,
+) -> tuple[Array, Array]:
+    """Attention over B sequences packed without padding (FlashAttention's varlen).
+
+    Args:
+        q: ``(Tq, Hq, d)``, the queries of every sequence one after the other; k, v:
+            ``(Tk, Hkv, d)``. dtypes, head dims, grouped heads and views as attention_forward.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(B + 1,)`` offsets, of q's library and device:
+            sequence b's queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q, its keys
+            rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v. They start at 0, never
+            decrease and end at Tq (Tk). Empty sequences and Nq != Nk are allowed.
+        max_seqlen_q, max_seqlen_k: the longest sequence's query rows and keys. Given both, the
+            call copies nothing to the host and never synchronises (CUDA graphs, torch.compile):
+            the offsets are trusted. Malformed offsets then give unspecified values but never a
+            read or write outside q, k, v and the outputs (each sequence is clamped to the arrays'
+            rows and to max_seqlen). Omitted (or check_seqlens=True, or CPU arrays): the offsets
+            are copied to the host once and checked, and a malformed one raises ValueError.
+        causal, window, softcap, alibi_slopes, scale: as attention_forward, per sequence (causal
+            and windows aligned to each sequence's bottom-right corner); slopes ``(Hq,)`` or
+            ``(B, Hq)``.
+        check_seqlens: check the offsets (one device-to-host copy) even when both max_seqlen are
+            given.
+
+    Returns:
+        ``(o, lse)``: o like q; lse ``(Hq, Tq)`` float32 (float64 for float64 input). Each
+        sequence's rows are what attention_forward gives for that sequence alone.
+    """
+    from . import _varlen
+
+    problem, infos, offsets = _validate.check_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        check_seqlens=check_seqlens,
+        **_validate.varlen_option_kwargs(causal, window, softcap, scale),
+    )
+    qi, ki, vi, alibi, cqi, cki = infos
+    if problem.device[0] == "cpu":
+        return _varlen.cpu_forward(problem, qi, ki, vi, alibi, offsets)
+    from . import _cuda
+
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi, poison=poison_outputs(), alibi=alibi)
+    return plan(*(i.ptr for i in (qi, ki, vi, alibi, cqi, cki) if i is not None))
+
+
+def attention_varlen(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    **options: Any,
+) -> Array:
+    """The output of :func:`attention_varlen_forward` without the lse (same keywords)."""
+    return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
+
+
+def attention_varlen_backward(
+    do: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    o: Array,
+    lse: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
+    scale: float | None = None,
+    check_seqlens: bool = False,
+) -> tuple[Array, Array, Array]:
+    """Gradients of :func:`attention_varlen_forward`: ``(dq, dk, dv)`` like q, k and v, each
+    sequence's what attention_backward gives for it alone; o and lse as the forward returned
+    them. Keywords and the offsets' handling as the forward. Deterministic."""
+    from . import _varlen
+
+    problem, infos, offsets = _validate.check_varlen_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        check_seqlens=check_seqlens,
+        **_validate.varlen_option_kwargs(causal, window, softcap, scale),
+    )
+    doi, qi, ki, vi, oi, lsei, alibi, cqi, cki = infos
+    if problem.device[0] == "cpu":
+        return _varlen.cpu_backward(problem, doi, qi, ki, vi, oi, lsei, alibi, offsets)
+    from . import _cuda
+
+    plan = _cuda.BackwardPlan(
+        problem, doi, qi, ki, vi, oi, lsei, poison=poison_outputs(), alibi=alibi
+    )
+    pointers = (doi, qi, ki, vi, oi, lsei, alibi, cqi, cki)
+    return plan(*(i.ptr for i in pointers if i is not None))

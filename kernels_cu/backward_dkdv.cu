@@ -122,7 +122,10 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
 
   const BlockCoords bc = decode_block(p.heads_kv, p.num_blocks);  // bc.head is the key/value head
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nk = p.seq_k, d = p.head_dim;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nk = seq.nk(p), d = p.head_dim;
+  if (PACKED && bc.block * BN >= nk) return;  // past this sequence's keys
 
   DkdvBlock<Tr> blk;
   blk.key_row0 = (warp % (NWARPS / DSPLIT)) * 16;
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   blk.sdO = blk.sQ + BM * PITCH;
   blk.sLse2 = reinterpret_cast<float*>(blk.sdO + BM * PITCH);
   blk.sDelta = blk.sLse2 + BM;
-  blk.mask = Tr::Mask::of(p);
+  blk.mask = Tr::Mask::of(p, seq.ext);
   blk.n0 = bc.block * BN;
   blk.d = d;
   blk.lane = lane;
@@ -142,9 +145,9 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   fill(blk.acc_dk, 0.f);
   fill(blk.acc_dv, 0.f);
 
-  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sK, head_ptr<const unsigned short>(p.k, bc.batch, bc.head),
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sK, seq.template k_head<const unsigned short>(p.k, bc.head),
                                          p.k.seq, blk.n0, nk, d, blk.vec);
-  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sV, head_ptr<const unsigned short>(p.v, bc.batch, bc.head),
+  load_tile<BN, HD, PITCH, Tr::NTHREADS>(sV, seq.template k_head<const unsigned short>(p.v, bc.head),
                                          p.v.seq, blk.n0, nk, d, blk.vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
@@ -156,10 +159,10 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   auto load_step = [&](int step) {
     const QueryStep at = query_step_at(step, query_tiles(), p.group);
     const int head = bc.head * p.group + at.head;
-    blk.load_query_tile(head_rows<const unsigned short>(p.q, bc.batch, head),
-                        head_rows<const unsigned short>(p.dout, bc.batch, head),
-                        head_rows<const float>(p.lse, bc.batch, head),
-                        head_rows<const float>(p.delta, bc.batch, head), at.tile * BM);
+    blk.load_query_tile(seq.template q_rows<const unsigned short>(p.q, head),
+                        seq.template q_rows<const unsigned short>(p.dout, head),
+                        seq.template q_rows<const float>(p.lse, head),
+                        seq.template q_rows<const float>(p.delta, head), at.tile * BM);
   };
   if (num_steps > 0) load_step(0);
   cp_async_commit();
@@ -178,7 +181,8 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
     }
     const QueryStep at = query_step_at(step, query_tiles(), p.group);
     if constexpr (Tr::ScoreMod::ANY)
-      blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale));
+      blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head * p.group + at.head,
+                                 static_cast<float>(p.scale), seq.ext);
     if (step < masked_steps)
       blk.template process_query_tile<true>(at.tile * BM);
     else
@@ -202,15 +206,15 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
     __syncwarp();
     recompute_dkdv_rows<Elem, HD, Tr::HD_WARP, typename Tr::ScoreMod>(sK + blk.key_row0 * PITCH, sV + blk.key_row0 * PITCH,
                                                PITCH, Tr::HD_WARP, repair, scale, blk.scale_log2, p,
-                                               bc.batch, bc.head,
-                                               head_rows<const unsigned short>(p.k, bc.batch, bc.head),
-                                               head_rows<const unsigned short>(p.v, bc.batch, bc.head),
+                                               seq, bc.head,
+                                               seq.template k_rows<const unsigned short>(p.k, bc.head),
+                                               seq.template k_rows<const unsigned short>(p.v, bc.head),
                                                blk.n0 + blk.key_row0, blk.col0, blk.mask, lane);
   }
   __syncthreads();
-  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr<unsigned short>(p.dk, bc.batch, bc.head), sK,
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(seq.template k_head<unsigned short>(p.dk, bc.head), sK,
                                           p.dk.seq, blk.n0, nk, d, blk.vec);
-  store_tile<BN, HD, PITCH, Tr::NTHREADS>(head_ptr<unsigned short>(p.dv, bc.batch, bc.head), sV,
+  store_tile<BN, HD, PITCH, Tr::NTHREADS>(seq.template k_head<unsigned short>(p.dv, bc.head), sV,
                                           p.dv.seq, blk.n0, nk, d, blk.vec);
 }
 

@@ -21,6 +21,8 @@ struct DqTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
+  typedef cuflash::Extents<Features<FEATURES>::PACKED> Extents;
+  static constexpr bool PACKED = Features<FEATURES>::PACKED;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);
@@ -55,9 +57,9 @@ struct DqBlock {
   // P = exp(scale S - lse), 0 where the key is invisible, times ds'/ds of the softcap (1 without):
   // this kernel uses P only in dS = P (dP - D), so the tanh's derivative joins it here.
   template <bool MASKED>
-  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0,
-                                                const Params& p) const {
-    const typename Tr::Mask mask = Tr::Mask::of(p);
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], int n0, const Params& p,
+                                                const typename Tr::Extents& ext) const {
+    const typename Tr::Mask mask = Tr::Mask::of(p, ext);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -80,7 +82,8 @@ struct DqBlock {
 
   // Key tile j (already in flight); j_next is the tile visited next (-1 after the last).
   template <bool MASKED>
-  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first, const Params& p) {
+  __device__ __forceinline__ void process_key_tile(int j, int j_next, bool first, const Params& p,
+                                                   const typename Tr::Extents& ext) {
     cp_async_wait<0>();
     __syncthreads();  // K_j and V_j have landed
     if constexpr (FR) {
@@ -99,7 +102,7 @@ struct DqBlock {
       gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(s, sQ, sK, lane);
       gemm_abt<Elem, MT, NT_S, Tr::K_HD, PITCH, PITCH>(dp, sdO, sV, lane);
     }
-    probabilities<MASKED>(s, j * Tr::BN, p);
+    probabilities<MASKED>(s, j * Tr::BN, p, ext);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // dS = P * (dP - D), in place of dP
 #pragma unroll
@@ -110,9 +113,9 @@ struct DqBlock {
     if (j_next >= 0) {
       __syncthreads();  // every warp is done with K_j and V_j
       const int n1 = j_next * Tr::BN;
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, p.k.seq, n1, p.seq_k, p.head_dim,
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sK, k_head, p.k.seq, n1, ext.nk(p), p.head_dim,
                                                     p.vec != 0);
-      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, p.v.seq, n1, p.seq_k, p.head_dim,
+      load_tile<Tr::BN, Tr::HD, PITCH, Tr::NTHREADS>(sV, v_head, p.v.seq, n1, ext.nk(p), p.head_dim,
                                                     p.vec != 0);
       cp_async_commit();
     }
@@ -131,7 +134,9 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
   const int kv_head = bc.head / p.group;
   const int lane = threadIdx.x & 31;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  const Seq<Tr::PACKED> seq = Seq<Tr::PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim;
+  if (Tr::PACKED && bc.block * BM >= nq) return;  // past this sequence's rows
 
   DqBlock<Tr> blk;
   blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
@@ -139,19 +144,19 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   blk.sdO = sdO + blk.warp_row0 * PITCH;
   blk.sK = sdO + BM * PITCH;
   blk.sV = blk.sK + BN * PITCH;
-  blk.k_head = head_ptr<const unsigned short>(p.k, bc.batch, kv_head);
-  blk.v_head = head_ptr<const unsigned short>(p.v, bc.batch, kv_head);
+  blk.k_head = seq.template k_head<const unsigned short>(p.k, kv_head);
+  blk.v_head = seq.template k_head<const unsigned short>(p.v, kv_head);
   blk.m0 = bc.block * BM;
   blk.lane = lane;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
-  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
   fill(blk.acc_dq, 0.f);
 
   // This lane's rows: lse in log2 units (a row that sees no key has lse = -inf: use +inf so that
   // P = 0 instead of exp(inf)), and D. Padded rows get P = 0 and D = 0.
   {
-    const HeadRows<const float> lse = head_rows<const float>(p.lse, bc.batch, bc.head);
-    const HeadRows<const float> delta = head_rows<const float>(p.delta, bc.batch, bc.head);
+    const HeadRows<const float> lse = seq.template q_rows<const float>(p.lse, bc.head);
+    const HeadRows<const float> delta = seq.template q_rows<const float>(p.delta, bc.head);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -168,12 +173,12 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
     }
   }
 
-  const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
+  const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
   const bool vec = p.vec != 0;
-  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, seq.template q_head<const unsigned short>(p.q, bc.head),
                                          p.q.seq, blk.m0, nq, d, vec);
   load_tile<BM, HD, PITCH, Tr::NTHREADS>(sdO,
-                                         head_ptr<const unsigned short>(p.dout, bc.batch, bc.head),
+                                         seq.template q_head<const unsigned short>(p.dout, bc.head),
                                          p.dout.seq, blk.m0, nq, d, vec);
   if (tiles.count() > 0) {
     const int first = tiles.at(0) * BN;
@@ -187,12 +192,12 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   const int masked = tiles.masked(), count = tiles.count();
   int it = 0;
   for (; it < masked; ++it)
-    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0, p);
+    blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0, p, seq.ext);
   // The flags wait in the padding columns of this lane's row g of the Q tile (repair.cuh).
   const FlagSlot flags = padding_flag_slot(sQ + (blk.warp_row0 + (lane >> 2)) * PITCH, HD, lane);
   if (masked > 0) park_flags(flags, nonfinite_rows(blk.acc_dq));
   for (; it < count; ++it)
-    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0, p);
+    blk.template process_key_tile<false>(tiles.at(it), tiles.at(it + 1), it == 0, p, seq.ext);
   const unsigned repair = masked > 0 ? unpark_flags(flags) : 0u;
 
   // Epilogue: dQ = scale * acc, staged through this warp's rows of the Q tile.
@@ -205,14 +210,14 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
     __syncwarp();
     recompute_dq_rows<Elem, HD, MT>(
         stage, PITCH, HD, repair, scale, blk.scale_log2,
-        head_rows<const unsigned short>(p.q, bc.batch, bc.head),
-        head_rows<const unsigned short>(p.dout, bc.batch, bc.head), Rows{blk.k_head, p.k.seq},
-        Rows{blk.v_head, p.v.seq}, head_rows<const float>(p.lse, bc.batch, bc.head),
-        head_rows<const float>(p.delta, bc.batch, bc.head), blk.m0 + blk.warp_row0,
-        Tr::Mask::of(p), blk.mod, d, lane);
+        seq.template q_rows<const unsigned short>(p.q, bc.head),
+        seq.template q_rows<const unsigned short>(p.dout, bc.head), Rows{blk.k_head, p.k.seq},
+        Rows{blk.v_head, p.v.seq}, seq.template q_rows<const float>(p.lse, bc.head),
+        seq.template q_rows<const float>(p.delta, bc.head), blk.m0 + blk.warp_row0,
+        Tr::Mask::of(p, seq.ext), blk.mod, d, lane);
   }
   __syncthreads();
-  unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
+  unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, bc.head);
   store_tile<BM, HD, PITCH, Tr::NTHREADS>(dq_head, sQ, p.dq.seq, blk.m0, nq, d, vec);
 }
 

@@ -48,7 +48,10 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const int kv_head = bc.head / p.group;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int m0 = bc.block * BM, warp_row0 = warp * 16;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim;
+  if (PACKED && bc.block * BM >= nq) return;  // past this sequence's rows
   const bool use_vec = p.vec != 0;
 
   Sm90DqRows<Elem, HD, BM, BN, Mask, Mod> rows;
@@ -58,8 +61,8 @@ __global__ void __launch_bounds__(BM * 2, 1)
   rows.lane = lane;
   rows.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   {
-    const HeadRows<const float> lse = head_rows<const float>(p.lse, bc.batch, bc.head);
-    const HeadRows<const float> delta = head_rows<const float>(p.delta, bc.batch, bc.head);
+    const HeadRows<const float> lse = seq.template q_rows<const float>(p.lse, bc.head);
+    const HeadRows<const float> delta = seq.template q_rows<const float>(p.delta, bc.head);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = m0 + warp_row0 + (lane >> 2) + 8 * r;
@@ -68,15 +71,15 @@ __global__ void __launch_bounds__(BM * 2, 1)
     }
   }
   rows.row0 = m0 + warp_row0 + (lane >> 2);
-  rows.mod = Mod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+  rows.mod = Mod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
   rows.clear();
 
-  const Rows k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
-  const Rows v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
-  const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
-  load_tile_swizzled<BM, HD, NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+  const Rows k_rows = seq.template k_rows<const unsigned short>(p.k, kv_head);
+  const Rows v_rows = seq.template k_rows<const unsigned short>(p.v, kv_head);
+  const TileRange tiles = Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
+  load_tile_swizzled<BM, HD, NTHREADS>(sQ, seq.template q_head<const unsigned short>(p.q, bc.head),
                                        p.q.seq, m0, nq, d, use_vec);
-  load_tile_swizzled<BM, HD, NTHREADS>(sdO, head_ptr<const unsigned short>(p.dout, bc.batch, bc.head),
+  load_tile_swizzled<BM, HD, NTHREADS>(sdO, seq.template q_head<const unsigned short>(p.dout, bc.head),
                                        p.dout.seq, m0, nq, d, use_vec);
   if (tiles.count() > 0) {
     const int first = tiles.at(0) * BN;
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(BM * 2, 1)
       cp_async_commit();
     }
     rows.step(it < masked_tiles, j * BN, sK + (it & 1) * KV_BYTES, sV + (it & 1) * KV_BYTES,
-              Mask::of(p));
+              Mask::of(p, seq.ext));
     if (it == masked_tiles - 1)
       repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(rows.acc_dq));
   }
@@ -119,14 +122,14 @@ __global__ void __launch_bounds__(BM * 2, 1)
     __syncwarp();
     recompute_dq_rows<Elem, HD, 1>(s_out + warp_row0 * PITCH, PITCH, HD, repair, scale,
                                    rows.scale_log2,
-                                   head_rows<const unsigned short>(p.q, bc.batch, bc.head),
-                                   head_rows<const unsigned short>(p.dout, bc.batch, bc.head),
-                                   k_rows, v_rows, head_rows<const float>(p.lse, bc.batch, bc.head),
-                                   head_rows<const float>(p.delta, bc.batch, bc.head),
-                                   m0 + warp_row0, Mask::of(p), rows.mod, d, lane);
+                                   seq.template q_rows<const unsigned short>(p.q, bc.head),
+                                   seq.template q_rows<const unsigned short>(p.dout, bc.head),
+                                   k_rows, v_rows, seq.template q_rows<const float>(p.lse, bc.head),
+                                   seq.template q_rows<const float>(p.delta, bc.head),
+                                   m0 + warp_row0, Mask::of(p, seq.ext), rows.mod, d, lane);
   }
   __syncthreads();
-  unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
+  unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, bc.head);
   store_tile<BM, HD, PITCH, NTHREADS>(dq_head, s_out, p.dq.seq, m0, nq, d, use_vec);
 }
 
@@ -158,7 +161,10 @@ __global__ void __launch_bounds__(BN * 2, 1)
   const BlockCoords bc = decode_block(p.heads_kv, p.num_blocks);  // bc.head is the key/value head
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n0 = bc.block * BN, key_row0 = warp * 16;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim, group = p.group;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim, group = p.group;
+  if (PACKED && bc.block * BN >= nk) return;  // past this sequence's keys
   const bool use_vec = p.vec != 0;
 
   Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod> keys;
@@ -171,13 +177,13 @@ __global__ void __launch_bounds__(BN * 2, 1)
   keys.key0 = n0 + key_row0 + (lane >> 2);
   keys.clear();
 
-  load_tile_swizzled<BN, HD, NTHREADS>(sK, head_ptr<const unsigned short>(p.k, bc.batch, bc.head),
+  load_tile_swizzled<BN, HD, NTHREADS>(sK, seq.template k_head<const unsigned short>(p.k, bc.head),
                                        p.k.seq, n0, nk, d, use_vec);
-  load_tile_swizzled<BN, HD, NTHREADS>(sV, head_ptr<const unsigned short>(p.v, bc.batch, bc.head),
+  load_tile_swizzled<BN, HD, NTHREADS>(sV, seq.template k_head<const unsigned short>(p.v, bc.head),
                                        p.v.seq, n0, nk, d, use_vec);
 
   // The work list: every (query head of the group, query tile that sees these keys).
-  const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
+  const TileRange tiles = Mask::of(p, seq.ext).query_tiles(n0, BN, BM);
   const int num_steps = group * tiles.count(), masked_steps = masked_query_steps(tiles, group);
   // Stages Q_i, dO_i (cp.async) and lse_i (log2 units, +inf where P must be 0), D_i (plain loads).
   // Masked tiles of every head come first (mask.cuh, query_step_at).
@@ -185,15 +191,15 @@ __global__ void __launch_bounds__(BN * 2, 1)
     const QueryStep at = query_step_at(step, tiles, group);
     const int head = bc.head * group + at.head;
     const int m0 = at.tile * BM;
-    const Rows q_rows = head_rows<const unsigned short>(p.q, bc.batch, head);
-    const Rows do_rows = head_rows<const unsigned short>(p.dout, bc.batch, head);
+    const Rows q_rows = seq.template q_rows<const unsigned short>(p.q, head);
+    const Rows do_rows = seq.template q_rows<const unsigned short>(p.dout, head);
     load_tile_swizzled<BM, HD, NTHREADS>(sQ + stage * ROWS_BYTES, q_rows.head, q_rows.stride, m0,
                                          nq, d, use_vec);
     load_tile_swizzled<BM, HD, NTHREADS>(sdO + stage * ROWS_BYTES, do_rows.head, do_rows.stride,
                                          m0, nq, d, use_vec);
     cp_async_commit();
-    const HeadRows<const float> lse = head_rows<const float>(p.lse, bc.batch, head);
-    const HeadRows<const float> delta = head_rows<const float>(p.delta, bc.batch, head);
+    const HeadRows<const float> lse = seq.template q_rows<const float>(p.lse, head);
+    const HeadRows<const float> delta = seq.template q_rows<const float>(p.delta, head);
     for (int r = threadIdx.x; r < BM; r += NTHREADS) {
       const int row = m0 + r;
       sLse2[stage * BM + r] = lse2_of_row(row < nq ? *lse.row(row) : 0.f, row < nq);
@@ -216,9 +222,9 @@ __global__ void __launch_bounds__(BN * 2, 1)
     const QueryStep at = query_step_at(step, tiles, group);
     const int m0 = at.tile * BM;
     if constexpr (Mod::ANY)
-      keys.mod = Mod::of(p, bc.batch, bc.head * group + at.head, static_cast<float>(p.scale));
+      keys.mod = Mod::of(p, bc.batch, bc.head * group + at.head, static_cast<float>(p.scale), seq.ext);
     keys.step(step < masked_steps, m0, sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES,
-              sLse2 + stage * BM, sDelta + stage * BM, Mask::of(p));
+              sLse2 + stage * BM, sDelta + stage * BM, Mask::of(p, seq.ext));
     if (step == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
   }
 
@@ -235,15 +241,15 @@ __global__ void __launch_bounds__(BN * 2, 1)
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_dkdv_rows<Elem, HD, HD, Mod>(s_dk + key_row0 * PITCH, s_dv + key_row0 * PITCH, PITCH, HD,
-                                      repair, scale, keys.scale_log2, p, bc.batch, bc.head,
-                                      head_rows<const unsigned short>(p.k, bc.batch, bc.head),
-                                      head_rows<const unsigned short>(p.v, bc.batch, bc.head),
-                                      n0 + key_row0, 0, Mask::of(p), lane);
+                                      repair, scale, keys.scale_log2, p, seq, bc.head,
+                                      seq.template k_rows<const unsigned short>(p.k, bc.head),
+                                      seq.template k_rows<const unsigned short>(p.v, bc.head),
+                                      n0 + key_row0, 0, Mask::of(p, seq.ext), lane);
   }
   __syncthreads();
-  store_tile<BN, HD, PITCH, NTHREADS>(head_ptr<unsigned short>(p.dk, bc.batch, bc.head), s_dk,
+  store_tile<BN, HD, PITCH, NTHREADS>(seq.template k_head<unsigned short>(p.dk, bc.head), s_dk,
                                       p.dk.seq, n0, nk, d, use_vec);
-  store_tile<BN, HD, PITCH, NTHREADS>(head_ptr<unsigned short>(p.dv, bc.batch, bc.head), s_dv,
+  store_tile<BN, HD, PITCH, NTHREADS>(seq.template k_head<unsigned short>(p.dv, bc.head), s_dv,
                                       p.dv.seq, n0, nk, d, use_vec);
 }
 

@@ -81,17 +81,20 @@ __global__ void __launch_bounds__(BM * TPR, 1)
   const int kv_head = bc.head / p.group;
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int m0 = bc.block * BM, row = m0 + r;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim;
+  if (PACKED && m0 >= nq) return;  // past this sequence's rows
   const Acc scale = p.scale;
-  const Mask mask = Mask::of(p);
-  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, kv_head);
-  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, kv_head);
-  const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, bc.head);
+  const Mask mask = Mask::of(p, seq.ext);
+  const HeadRows<const T> k = seq.template k_rows<const T>(p.k, kv_head);
+  const HeadRows<const T> v = seq.template k_rows<const T>(p.v, kv_head);
+  const HeadRows<const T> q = seq.template q_rows<const T>(p.q, bc.head);
   load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
 
   const TileRange tiles = mask.key_tiles(m0, BM, BN);
   const Bounds keys = mask.keys_of(row);
-  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0);
+  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0, seq.ext);
   const Acc row_pos = mod.row_pos(row);
   Acc m = -inf_f64(), l = 0.0, acc[DPT];
 #pragma unroll
@@ -135,11 +138,11 @@ __global__ void __launch_bounds__(BM * TPR, 1)
   const bool empty = (l == 0.0);
   const Acc inv = empty ? 0.0 : 1.0 / l;
   if (row < nq) {
-    T* o_row = head_rows<T>(p.o, bc.batch, bc.head).row(row);
+    T* o_row = seq.template q_rows<T>(p.o, bc.head).row(row);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) o_row[c + TPR * i] = T(acc[i] * inv);
-    if (c == 0) *head_rows<T>(p.lse, bc.batch, bc.head).row(row) = T(empty ? -inf_f64() : m + log(l));
+    if (c == 0) *seq.template q_rows<T>(p.lse, bc.head).row(row) = T(empty ? -inf_f64() : m + log(l));
   }
 }
 
@@ -160,11 +163,14 @@ __global__ void __launch_bounds__(BN * TPR, 1)
   const BlockCoords bc = decode_block(p.heads_kv, p.num_blocks);
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int n0 = bc.block * BN, key = n0 + r;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim, group = p.group;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim, group = p.group;
+  if (PACKED && n0 >= nk) return;  // past this sequence's keys
   const Acc scale = p.scale;
-  const Mask mask = Mask::of(p);
-  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, bc.head);
-  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, bc.head);
+  const Mask mask = Mask::of(p, seq.ext);
+  const HeadRows<const T> k = seq.template k_rows<const T>(p.k, bc.head);
+  const HeadRows<const T> v = seq.template k_rows<const T>(p.v, bc.head);
   load_tile<BN, HD, PITCH, NTHREADS>(sK, k.head, k.stride, n0, nk, d, false);
   load_tile<BN, HD, PITCH, NTHREADS>(sV, v.head, v.stride, n0, nk, d, false);
 
@@ -179,13 +185,13 @@ __global__ void __launch_bounds__(BN * TPR, 1)
     const int head = bc.head * group + step / tiles_per_head;
     const int m0 = (tiles.begin + step % tiles_per_head) * BM;
     __syncthreads();  // the previous query tile is consumed
-    const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, head);
-    const HeadRows<const T> dout = head_rows<const T>(p.dout, bc.batch, head);
+    const HeadRows<const T> q = seq.template q_rows<const T>(p.q, head);
+    const HeadRows<const T> dout = seq.template q_rows<const T>(p.dout, head);
     load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
     load_tile<BM, HD, PITCH, NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, false);
-    const HeadRows<const T> lse = head_rows<const T>(p.lse, bc.batch, head);
-    const HeadRows<const Acc> delta = head_rows<const Acc>(p.delta, bc.batch, head);
-    const Mod mod = Mod::of(p, bc.batch, head, 1.0);
+    const HeadRows<const T> lse = seq.template q_rows<const T>(p.lse, head);
+    const HeadRows<const Acc> delta = seq.template q_rows<const Acc>(p.delta, head);
+    const Mod mod = Mod::of(p, bc.batch, head, 1.0, seq.ext);
     for (int x = threadIdx.x; x < BM; x += NTHREADS) {
       Acc lx = inf_f64(), dx = 0.0;  // padded rows and rows that see no key: P = 0
       if (m0 + x < nq) {
@@ -218,8 +224,8 @@ __global__ void __launch_bounds__(BN * TPR, 1)
   }
 
   if (key < nk) {
-    T* dk_row = head_rows<T>(p.dk, bc.batch, bc.head).row(key);
-    T* dv_row = head_rows<T>(p.dv, bc.batch, bc.head).row(key);
+    T* dk_row = seq.template k_rows<T>(p.dk, bc.head).row(key);
+    T* dv_row = seq.template k_rows<T>(p.dv, bc.head).row(key);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) {
@@ -245,20 +251,23 @@ __global__ void __launch_bounds__(BM * TPR, 1)
   const int kv_head = bc.head / p.group;
   const int r = threadIdx.x / TPR, c = threadIdx.x % TPR;
   const int m0 = bc.block * BM, row = m0 + r;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim;
+  if (PACKED && m0 >= nq) return;  // past this sequence's rows
   const Acc scale = p.scale;
-  const Mask mask = Mask::of(p);
-  const HeadRows<const T> k = head_rows<const T>(p.k, bc.batch, kv_head);
-  const HeadRows<const T> v = head_rows<const T>(p.v, bc.batch, kv_head);
-  const HeadRows<const T> q = head_rows<const T>(p.q, bc.batch, bc.head);
-  const HeadRows<const T> dout = head_rows<const T>(p.dout, bc.batch, bc.head);
+  const Mask mask = Mask::of(p, seq.ext);
+  const HeadRows<const T> k = seq.template k_rows<const T>(p.k, kv_head);
+  const HeadRows<const T> v = seq.template k_rows<const T>(p.v, kv_head);
+  const HeadRows<const T> q = seq.template q_rows<const T>(p.q, bc.head);
+  const HeadRows<const T> dout = seq.template q_rows<const T>(p.dout, bc.head);
   load_tile<BM, HD, PITCH, NTHREADS>(sQ, q.head, q.stride, m0, nq, d, false);
   load_tile<BM, HD, PITCH, NTHREADS>(sdO, dout.head, dout.stride, m0, nq, d, false);
   Acc lse_row = inf_f64(), delta_row = 0.0;
   if (row < nq) {
-    lse_row = *head_rows<const T>(p.lse, bc.batch, bc.head).row(row);
+    lse_row = *seq.template q_rows<const T>(p.lse, bc.head).row(row);
     if (lse_row == -inf_f64()) lse_row = inf_f64();  // a row that sees no key: P = 0
-    delta_row = *head_rows<const Acc>(p.delta, bc.batch, bc.head).row(row);
+    delta_row = *seq.template q_rows<const Acc>(p.delta, bc.head).row(row);
   }
 
   Acc acc[DPT];
@@ -266,7 +275,7 @@ __global__ void __launch_bounds__(BM * TPR, 1)
   for (int i = 0; i < DPT; ++i) acc[i] = 0.0;
   const TileRange tiles = mask.key_tiles(m0, BM, BN);
   const Bounds keys = mask.keys_of(row);
-  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0);
+  const Mod mod = Mod::of(p, bc.batch, bc.head, 1.0, seq.ext);
   const Acc row_pos = mod.row_pos(row);
   for (int j = tiles.begin; j < tiles.end; ++j) {
     const int n0 = j * BN;
@@ -291,7 +300,7 @@ __global__ void __launch_bounds__(BM * TPR, 1)
     accumulate_rows<BN, HD, TPR, PITCH>(acc, ds, visible, sK, c);  // dQ += dS K
   }
   if (row < nq) {
-    T* dq_row = head_rows<T>(p.dq, bc.batch, bc.head).row(row);
+    T* dq_row = seq.template q_rows<T>(p.dq, bc.head).row(row);
 #pragma unroll
     for (int i = 0; i < DPT; ++i)
       if (c + TPR * i < d) dq_row[c + TPR * i] = T(acc[i] * scale);

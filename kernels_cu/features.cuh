@@ -12,6 +12,7 @@ struct Features {
   static constexpr bool LOCAL = (FEATURES & 1) != 0;    // the mask has a left bound (mask.cuh)
   static constexpr bool SOFTCAP = (FEATURES & 2) != 0;  // S = c tanh(S / c) (score_mod.cuh)
   static constexpr bool ALIBI = (FEATURES & 4) != 0;    // S -= slope |i + nk - nq - j|
+  static constexpr bool PACKED = (FEATURES & 8) != 0;   // packed sequences (params.cuh, Seq)
   typedef cuflash::Mask<LOCAL> Mask;
   // Blocks per multiprocessor that the mma.sync kernels ask ptxas for (__launch_bounds__'s second
   // argument). 0 leaves it to ptxas, which aims at 3 blocks of 128 threads (168 registers) and

@@ -22,6 +22,7 @@ struct ForwardTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
+  static constexpr bool PACKED = Features<FEATURES>::PACKED;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;
   static constexpr int MT = BM / (16 * NWARPS);  // 16-row m tiles per warp
@@ -117,22 +118,24 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
   const int kv_head = bc.head / p.group;
   const int lane = threadIdx.x & 31;
-  const int nq = p.seq_q, nk = p.seq_k, d = p.head_dim;
+  const Seq<Tr::PACKED> seq = Seq<Tr::PACKED>::of(p, bc.batch);
+  const int nq = seq.nq(p), nk = seq.nk(p), d = p.head_dim;
+  if (Tr::PACKED && bc.block * BM >= nq) return;  // past this sequence's rows
 
   ForwardBlock<Tr> blk;
   blk.warp_row0 = (threadIdx.x >> 5) * MT * 16;
   blk.sQ = sQ + blk.warp_row0 * PITCH;
   blk.sK = sQ + BM * PITCH;
   blk.sV = blk.sK + BN * PITCH;
-  blk.k_rows = head_rows<const unsigned short>(p.k, bc.batch, kv_head);
-  blk.v_rows = head_rows<const unsigned short>(p.v, bc.batch, kv_head);
-  blk.mask = Tr::Mask::of(p);
+  blk.k_rows = seq.template k_rows<const unsigned short>(p.k, kv_head);
+  blk.v_rows = seq.template k_rows<const unsigned short>(p.v, kv_head);
+  blk.mask = Tr::Mask::of(p, seq.ext);
   blk.m0 = bc.block * BM;
   blk.d = d;
   blk.lane = lane;
   blk.vec = p.vec != 0;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
-  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
   fill(blk.acc_o, 0.f);
   // p_shift: P is scaled by 2^-p_shift so that the unnormalised accumulator cannot overflow
   // (softmax.cuh); the host passes ceil(log2 Nk) for bfloat16 and 0 for float16. A kernel
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
 
   // Q tile and the first K tile; everything after this runs tile by tile.
   const TileRange tiles = blk.mask.key_tiles(blk.m0, BM, BN);
-  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
+  load_tile<BM, HD, PITCH, Tr::NTHREADS>(sQ, seq.template q_head<const unsigned short>(p.q, bc.head),
                                          p.q.seq, blk.m0, nq, d, blk.vec);
   if (tiles.count() > 0)
     load_tile<BN, HD, PITCH, Tr::NTHREADS>(blk.sK, blk.k_rows.head, blk.k_rows.stride,
@@ -155,8 +158,8 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   int it = 0;
   for (; it < masked; ++it)
     blk.template process_key_tile<true>(tiles.at(it), tiles.at(it + 1), it == 0);
-  float* lse_row_g =
-      head_ptr<float>(p.lse, bc.batch, bc.head) + (blk.m0 + blk.warp_row0 + (lane >> 2)) * p.lse.seq;
+  float* lse_row_g = seq.template q_head<float>(p.lse, bc.head) +
+                     (blk.m0 + blk.warp_row0 + (lane >> 2)) * p.lse.seq;
   const bool real_row_g = blk.m0 + blk.warp_row0 + (lane >> 2) < nq;
   if (masked > 0) park_flags(lse_flag_slot(lse_row_g, real_row_g, lane), nonfinite_rows(blk.acc_o));
   for (; it < count; ++it)
@@ -172,15 +175,15 @@ __global__ void __launch_bounds__(NWARPS * 32, Features<FEATURES>::MMA_MIN_BLOCK
   if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
     __syncwarp();
     recompute_forward_rows<Elem, HD, MT>(blk.sQ, PITCH, HD, repair, lse_rows, blk.scale_log2,
-                                         head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+                                         seq.template q_rows<const unsigned short>(p.q, bc.head),
                                          blk.k_rows, blk.v_rows, blk.m0 + blk.warp_row0, blk.mask,
                                          blk.mod, d, lane);
   }
   __syncthreads();
-  unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
+  unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
   store_tile<BM, HD, PITCH, Tr::NTHREADS>(o_head, sQ, p.o.seq, blk.m0, nq, d, blk.vec);
   if ((lane & 3) == 0) {
-    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
+    float* lse_head = seq.template q_head<float>(p.lse, bc.head);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -32,6 +32,9 @@ __global__ void __launch_bounds__(BM * 2, 1)
   const BlockCoords bc = decode_block(p.heads_q, p.num_blocks);
   const int kv_head = bc.head / p.group;
   const int warp = threadIdx.x >> 5;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
+  const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);  // dense: p.seq_q, p.seq_k where used
+  if (PACKED && bc.block * BM >= seq.nq(p)) return;       // past this sequence's rows
 
   Sm90ForwardBlock<Tr, Elem, HD, BM, BN> blk;
   blk.sQ = smem;
@@ -42,22 +45,22 @@ __global__ void __launch_bounds__(BM * 2, 1)
   blk.warp_row0 = warp * 16;
   blk.wg = warp >> 2;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
-  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+  blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
   fill(blk.acc_o, 0.f);
   blk.softmax.init(p.p_shift);  // see forward.cu
 
   // The parameters are read where they are used: copies held through the loop cost registers.
-  const unsigned short* k_head = head_ptr<const unsigned short>(p.k, bc.batch, kv_head);
-  const unsigned short* v_head = head_ptr<const unsigned short>(p.v, bc.batch, kv_head);
-  const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
-  load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, head_ptr<const unsigned short>(p.q, bc.batch, bc.head),
-                                           p.q.seq, blk.m0, p.seq_q, p.head_dim, p.vec != 0);
+  const unsigned short* k_head = seq.template k_head<const unsigned short>(p.k, kv_head);
+  const unsigned short* v_head = seq.template k_head<const unsigned short>(p.v, kv_head);
+  const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
+  load_tile_swizzled<BM, HD, Tr::NTHREADS>(smem, seq.template q_head<const unsigned short>(p.q, bc.head),
+                                           p.q.seq, blk.m0, seq.nq(p), p.head_dim, p.vec != 0);
   if (tiles.count() > 0) {
     const int first = tiles.at(0) * BN;
-    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, p.k.seq, first, p.seq_k,
+    load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES, k_head, p.k.seq, first, seq.nk(p),
                                              p.head_dim, p.vec != 0);
     load_tile_swizzled<BN, HD, Tr::NTHREADS>(smem + Tr::Q_BYTES + 2 * Tr::KV_BYTES, v_head, p.v.seq,
-                                             first, p.seq_k, p.head_dim, p.vec != 0);
+                                             first, seq.nk(p), p.head_dim, p.vec != 0);
   }
   cp_async_commit();
 
@@ -66,9 +69,9 @@ __global__ void __launch_bounds__(BM * 2, 1)
   // (repair.cuh).
   const int masked = tiles.masked(), count = tiles.count();
   // The flag slot is built at each use from these two: a FlagSlot held through the loop spills.
-  float* lse_row_g = head_ptr<float>(p.lse, bc.batch, bc.head) +
+  float* lse_row_g = seq.template q_head<float>(p.lse, bc.head) +
                      (blk.m0 + blk.warp_row0 + (blk.lane >> 2)) * p.lse.seq;
-  const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < p.seq_q;
+  const bool real_row_g = blk.m0 + blk.warp_row0 + (blk.lane >> 2) < seq.nq(p);
   for (int it = 0; it < count; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
@@ -76,17 +79,17 @@ __global__ void __launch_bounds__(BM * 2, 1)
     const int next = tiles.at(it + 1);
     if (next >= 0) {
       unsigned char* k_next = smem + Tr::Q_BYTES + ((it + 1) & 1) * Tr::KV_BYTES;
-      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, p.k.seq, next * BN, p.seq_k,
+      load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next, k_head, p.k.seq, next * BN, seq.nk(p),
                                                p.head_dim, p.vec != 0);
       load_tile_swizzled<BN, HD, Tr::NTHREADS>(k_next + 2 * Tr::KV_BYTES, v_head, p.v.seq,
-                                               next * BN, p.seq_k, p.head_dim, p.vec != 0);
+                                               next * BN, seq.nk(p), p.head_dim, p.vec != 0);
       cp_async_commit();
     }
     if (it < masked) {
-      blk.template process_key_tile<true>(tiles.at(it), it & 1, Tr::Mask::of(p));
+      blk.template process_key_tile<true>(tiles.at(it), it & 1, Tr::Mask::of(p, seq.ext));
       if (it == masked - 1) park_flags(lse_flag_slot(lse_row_g, real_row_g, blk.lane), nonfinite_rows(blk.acc_o));
     } else {
-      blk.template process_key_tile<false>(tiles.at(it), it & 1, Tr::Mask::of(p));
+      blk.template process_key_tile<false>(tiles.at(it), it & 1, Tr::Mask::of(p, seq.ext));
     }
   }
 
@@ -103,21 +106,21 @@ __global__ void __launch_bounds__(BM * 2, 1)
     __syncwarp();
     recompute_forward_rows<Elem, HD, 1>(s_out + blk.warp_row0 * Tr::PITCH, Tr::PITCH, HD, repair,
                                         lse_rows, blk.scale_log2,
-                                        head_rows<const unsigned short>(p.q, bc.batch, bc.head),
+                                        seq.template q_rows<const unsigned short>(p.q, bc.head),
                                         Rows{k_head, p.k.seq}, Rows{v_head, p.v.seq},
-                                        blk.m0 + blk.warp_row0, Tr::Mask::of(p), blk.mod, p.head_dim,
+                                        blk.m0 + blk.warp_row0, Tr::Mask::of(p, seq.ext), blk.mod, p.head_dim,
                                         blk.lane);
   }
   __syncthreads();
-  unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
-  store_tile<BM, HD, Tr::PITCH, Tr::NTHREADS>(o_head, s_out, p.o.seq, blk.m0, p.seq_q, p.head_dim,
+  unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
+  store_tile<BM, HD, Tr::PITCH, Tr::NTHREADS>(o_head, s_out, p.o.seq, blk.m0, seq.nq(p), p.head_dim,
                                               p.vec != 0);
   if ((blk.lane & 3) == 0) {
-    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
+    float* lse_head = seq.template q_head<float>(p.lse, bc.head);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = blk.m0 + blk.warp_row0 + (blk.lane >> 2) + 8 * r;
-      if (row < p.seq_q) lse_head[row * p.lse.seq] = lse_rows[0][r];
+      if (row < seq.nq(p)) lse_head[row * p.lse.seq] = lse_rows[0][r];
     }
   }
 }

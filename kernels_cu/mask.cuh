@@ -50,6 +50,11 @@ struct Mask {
   static __device__ __forceinline__ Mask of(const Params& p) {
     return Mask{p.seq_q, p.seq_k, p.window_left, p.window_right};
   }
+  // The mask of one sequence (params.cuh, Extents): a packed sequence's own rows and keys.
+  template <bool PACKED>
+  static __device__ __forceinline__ Mask of(const Params& p, const Extents<PACKED>& e) {
+    return Mask{e.nq(p), e.nk(p), p.window_left, p.window_right};
+  }
 
   __host__ __device__ __forceinline__ int diag(int i) const { return i + nk - nq; }
   // The keys query i sees.

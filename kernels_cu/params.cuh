@@ -38,6 +38,7 @@ struct Params {
   int row_shift;      // TMA forward: rows of the first block that lie before row 0 (causal)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int lanes_per_row;  // preprocess: lanes that reduce one row
+  int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
   i64 num_work;       // persistent kernels: work items (row blocks of every head)
   i64 rows;           // preprocess: batch * heads_q * seq_q
 };
@@ -63,5 +64,68 @@ template <typename T>
 __device__ __forceinline__ HeadRows<T> head_rows(const TensorRef& t, int batch, int head) {
   return HeadRows<T>{head_ptr<T>(t, batch, head), t.seq};
 }
+
+// The extents of one sequence: its query rows and keys. Dense calls (PACKED false) read them from
+// the kernel's parameters where used (the constant bank: no registers); packed calls hold their
+// sequence's in two registers.
+template <bool PACKED>
+struct Extents {
+  int packed_nq, packed_nk;
+  __device__ __forceinline__ int nq(const Params& p) const { return PACKED ? packed_nq : p.seq_q; }
+  __device__ __forceinline__ int nk(const Params& p) const { return PACKED ? packed_nk : p.seq_k; }
+};
+
+// The rows of sequence `batch` of a call. Dense calls: sequence `batch` of the tensors' batch
+// dimension. Packed calls (the PACKED feature): rows cu_seqlens_q[batch] .. cu_seqlens_q[batch + 1]
+// of the packed query tensors (q, o, dout, dq, lse, delta) and cu_seqlens_k[batch] .. of the packed
+// key tensors (k, v, dk, dv), whose batch stride is unused. The offsets are clamped to the tensors'
+// rows (total_q, total_k) and a sequence to seq_q / seq_k rows (the longest the grid covers), so
+// that malformed offsets never reach outside the tensors.
+template <bool PACKED>
+struct Seq {
+  int batch;
+  Extents<PACKED> ext;
+  i64 q0, k0;  // packed: the sequence's first row in the packed tensors
+
+  static __device__ __forceinline__ Seq of(const Params& p, int batch) {
+    Seq s;
+    s.batch = batch;
+    s.ext.packed_nq = s.ext.packed_nk = 0;
+    s.q0 = s.k0 = 0;
+    if constexpr (PACKED) {
+      s.q0 = span(p.cu_seqlens_q, batch, p.total_q, p.seq_q, s.ext.packed_nq);
+      s.k0 = span(p.cu_seqlens_k, batch, p.total_k, p.seq_k, s.ext.packed_nk);
+    }
+    return s;
+  }
+  // First row of sequence b of offsets `cu`, and its rows in n (both clamped as above).
+  static __device__ __forceinline__ int span(const int* cu, int b, int total, int longest, int& n) {
+    const int first = min(max(cu[b], 0), total);
+    const int last = min(max(cu[b + 1], first), total);
+    n = min(last - first, longest);
+    return first;
+  }
+  __device__ __forceinline__ int nq(const Params& p) const { return ext.nq(p); }
+  __device__ __forceinline__ int nk(const Params& p) const { return ext.nk(p); }
+  // Row 0 of head `head` of this sequence in a tensor with query rows / with key rows.
+  template <typename T>
+  __device__ __forceinline__ T* q_head(const TensorRef& t, int head) const {
+    if constexpr (PACKED) return head_ptr<T>(t, 0, head) + q0 * t.seq;
+    else return head_ptr<T>(t, batch, head);
+  }
+  template <typename T>
+  __device__ __forceinline__ T* k_head(const TensorRef& t, int head) const {
+    if constexpr (PACKED) return head_ptr<T>(t, 0, head) + k0 * t.seq;
+    else return head_ptr<T>(t, batch, head);
+  }
+  template <typename T>
+  __device__ __forceinline__ HeadRows<T> q_rows(const TensorRef& t, int head) const {
+    return HeadRows<T>{q_head<T>(t, head), t.seq};
+  }
+  template <typename T>
+  __device__ __forceinline__ HeadRows<T> k_rows(const TensorRef& t, int head) const {
+    return HeadRows<T>{k_head<T>(t, head), t.seq};
+  }
+};
 
 }  // namespace cuflash

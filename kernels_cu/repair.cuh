@@ -246,10 +246,30 @@ __device__ __forceinline__ void recompute_dq_rows(unsigned short* out, Pitch pit
 // sequence `batch`: dV_j = sum_i P_ij dO_i, dK_j = scale sum_i dS_ij q_i, written over the rows
 // (key row rl of this warp at out_dk / out_dv + rl * pitch, columns [col0, col0 + width): staging
 // tiles, or dK and dV themselves). Mod: the ScoreMod type, built per query head.
-template <typename Elem, int HD, int W, typename Mod, typename Mask, typename Pitch>
+// The query-row tensors and score modifiers of a query head of sequence `batch` (an int: a dense
+// sequence of the batch) or `seq` (params.cuh, Seq: dense or packed).
+template <typename T>
+__device__ __forceinline__ HeadRows<T> query_rows_of(const TensorRef& t, int batch, int head) {
+  return head_rows<T>(t, batch, head);
+}
+template <typename T, bool PACKED>
+__device__ __forceinline__ HeadRows<T> query_rows_of(const TensorRef& t, const Seq<PACKED>& seq,
+                                                     int head) {
+  return seq.template q_rows<T>(t, head);
+}
+template <typename Mod>
+__device__ __forceinline__ Mod mod_of(const Params& p, int batch, int head) {
+  return Mod::of(p, batch, head, static_cast<float>(p.scale));
+}
+template <typename Mod, bool PACKED>
+__device__ __forceinline__ Mod mod_of(const Params& p, const Seq<PACKED>& seq, int head) {
+  return Mod::of(p, seq.batch, head, static_cast<float>(p.scale), seq.ext);
+}
+
+template <typename Elem, int HD, int W, typename Mod, typename Mask, typename Pitch, typename Where>
 __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsigned short* out_dv,
                                                     Pitch pitch, int width, unsigned rows, float scale,
-                                                    float scale_log2, const Params& p, int batch,
+                                                    float scale_log2, const Params& p, const Where& batch,
                                                     int kv_head, const Rows& k, const Rows& v,
                                                     int key0, int col0, const Mask& mask, int lane) {
   constexpr int CPL = (HD + 31) / 32, OPL = (W + 31) / 32;  // dot columns, output columns per lane
@@ -265,11 +285,11 @@ __device__ __forceinline__ void recompute_dkdv_rows(unsigned short* out_dk, unsi
     for (int n = 0; n < OPL; ++n) acc_dk[n] = acc_dv[n] = 0.f;
 #pragma unroll 1
     for (int h = kv_head * p.group; h < (kv_head + 1) * p.group; ++h) {
-      const Rows q = head_rows<const unsigned short>(p.q, batch, h);
-      const Rows dout = head_rows<const unsigned short>(p.dout, batch, h);
-      const HeadRows<const float> lse = head_rows<const float>(p.lse, batch, h);
-      const HeadRows<const float> delta = head_rows<const float>(p.delta, batch, h);
-      const Mod mod = Mod::of(p, batch, h, static_cast<float>(p.scale));
+      const Rows q = query_rows_of<const unsigned short>(p.q, batch, h);
+      const Rows dout = query_rows_of<const unsigned short>(p.dout, batch, h);
+      const HeadRows<const float> lse = query_rows_of<const float>(p.lse, batch, h);
+      const HeadRows<const float> delta = query_rows_of<const float>(p.delta, batch, h);
+      const Mod mod = mod_of<Mod>(p, batch, h);
 #pragma unroll 1
       for (int i = queries.first; i <= queries.last; ++i) {
         const unsigned short *q_row = q.row(i), *do_row = dout.row(i);

@@ -33,6 +33,12 @@ struct ScoreMod {
 
   // The modifiers of query head `head` of sequence `batch`, for scores in unit `unit`.
   static __device__ __forceinline__ ScoreMod of(const Params& p, int batch, int head, T unit) {
+    return of(p, batch, head, unit, Extents<false>{});
+  }
+  // The same for one sequence (params.cuh, Extents): a packed sequence's own diagonal.
+  template <bool PACKED>
+  static __device__ __forceinline__ ScoreMod of(const Params& p, int batch, int head, T unit,
+                                                const Extents<PACKED>& e) {
     ScoreMod m;
     m.cap_in = m.cap_out = m.slope = T(0);
     if constexpr (SOFTCAP) {
@@ -40,7 +46,7 @@ struct ScoreMod {
       m.cap_out = T(p.softcap) / unit;
     }
     if constexpr (ALIBI) m.slope = T(*head_ptr<const float>(p.alibi, batch, head)) / unit;
-    m.diag_offset = p.seq_k - p.seq_q;
+    m.diag_offset = e.nk(p) - e.nq(p);
     return m;
   }
 
