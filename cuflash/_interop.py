@@ -155,6 +155,7 @@ _STORAGE = {
     "bfloat16": np.uint16,
     "float32": np.float32,
     "float64": np.float64,
+    "int32": np.int32,  # the offsets of packed sequences
 }
 
 

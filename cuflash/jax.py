@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _cpu, _dlpack, _interop, _validate
+from . import _cpu, _dlpack, _interop, _validate, _varlen
 
 _TRACE_DEVICE = ("cuda", -1)  # the device is known only when the call runs
 _FORWARD_NAMES = ("q", "k", "v", "alibi_slopes")
@@ -196,6 +196,79 @@ class _BackwardCall:
         problem, infos = _on_device(self.problem, self.infos, device, pointers)
         q, k, v, do, o, lse, *alibi = infos
         return _cuda.BackwardPlan(problem, do, q, k, v, o, lse, alibi=alibi[0] if alibi else None)
+
+
+_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+_VARLEN_BACKWARD_NAMES = ("do", "q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+_VARLEN_BACKWARD_NAMES += ("alibi_slopes",)
+
+
+class _VarlenForwardCall(_ForwardCall):
+    """The callback of one packed forward problem (inputs q, k, v, the offsets, the slopes)."""
+
+    def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
+        o, lse = outs
+        if _on_cpu(inputs[0]):
+            q, k, v, cq, ck, *alibi = _cpu_infos(inputs, _VARLEN_NAMES)
+            p = self.problem
+            offsets = _varlen.read_offsets(cq, ck, p.total_q, p.total_k)
+            with _float_environment():
+                o_value, lse_value = _varlen.cpu_forward(p, q, k, v, _first(alibi), offsets)
+            np.asarray(o)[...] = o_value
+            np.asarray(lse)[...] = lse_value
+            return
+        q, k, v, cq, ck, *alibi = inputs
+        pointers = _pointers((q, k, v, o, lse, *alibi, cq, ck))
+        device = q.__dlpack_device__()[1]
+        plan = self.plans.get(device)
+        if plan is None:
+            plan = self.plans[device] = self._plan(device, _pointers(inputs))
+        plan.launch(ctx.stream, pointers)
+
+    def _plan(self, device: int, pointers: tuple[int, ...]) -> Any:
+        from . import _cuda
+
+        q, k, v, _, _, *alibi = self.infos
+        problem, (q, k, v, *alibi) = _on_device(
+            self.problem, [q, k, v, *alibi], device, pointers[:3] + pointers[5:]
+        )
+        return _cuda.ForwardPlan(problem, q, k, v, alibi=_first(alibi))
+
+
+class _VarlenBackwardCall(_BackwardCall):
+    """The callback of one packed backward problem."""
+
+    def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
+        dq, dk, dv, delta = outs
+        if _on_cpu(inputs[0]):
+            do, q, k, v, o, lse, cq, ck, *alibi = _cpu_infos(inputs, _VARLEN_BACKWARD_NAMES)
+            p = self.problem
+            offsets = _varlen.read_offsets(cq, ck, p.total_q, p.total_k)
+            with _float_environment():
+                grads = _varlen.cpu_backward(p, do, q, k, v, o, lse, _first(alibi), offsets)
+            for out, value in zip((dq, dk, dv), grads, strict=True):
+                np.asarray(out)[...] = value
+            return
+        do, q, k, v, o, lse, cq, ck, *alibi = inputs
+        pointers = _pointers((q, k, v, o, do, lse, delta, dq, dk, dv, *alibi, cq, ck))
+        device = q.__dlpack_device__()[1]
+        plan = self.plans.get(device)
+        if plan is None:
+            plan = self.plans[device] = self._plan(device, _pointers(inputs))
+        plan.launch(ctx.stream, pointers)
+
+    def _plan(self, device: int, pointers: tuple[int, ...]) -> Any:
+        from . import _cuda
+
+        do, q, k, v, o, lse, _, _, *alibi = self.infos
+        problem, (do, q, k, v, o, lse, *alibi) = _on_device(
+            self.problem, [do, q, k, v, o, lse, *alibi], device, pointers[:6] + pointers[8:]
+        )
+        return _cuda.BackwardPlan(problem, do, q, k, v, o, lse, alibi=_first(alibi))
+
+
+def _first(items: list) -> Any:
+    return items[0] if items else None
 
 
 def _on_device(problem: Any, infos: list, device: int, pointers: tuple[int, ...]) -> tuple:
@@ -547,3 +620,111 @@ def attention_backward(
     do, q, k, v, o, lse = (_as_jax(x, n) for x, n in named)
     slopes = _slopes_tuple(alibi_slopes)
     return _attention_backward(do, q, k, v, o, lse, slopes, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences
+
+
+def _varlen_problem(arrays: tuple, names: tuple, options: _Options, longest: tuple) -> Any:
+    """The traced packed call's problem: max_seqlen_q/k must be given (static ints)."""
+    if None in longest:
+        raise TypeError(
+            "cuflash.jax.attention_varlen needs max_seqlen_q and max_seqlen_k (ints): under JAX "
+            "the offsets are not read on the host"
+        )
+    infos = _abstract(arrays, names)
+    by_name = dict(zip(names, infos, strict=False))
+    q, k, v, cq, ck = (by_name[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+    kw = _validate._check_options(options.causal, options.window, options.softcap, "bshd")
+    problem, _ = _validate._check_packed(
+        q, k, v, cq, ck, options.scale, kw, longest[0], longest[1], False
+    )
+    if "alibi_slopes" in by_name:
+        problem, _ = _validate._alibi_of(problem, [by_name["alibi_slopes"]])
+    return problem, infos
+
+
+def _varlen_forward(options: _Options, longest: tuple, q, k, v, cq, ck, slopes) -> tuple:  # noqa: ANN001
+    arrays = (q, k, v, cq, ck, *slopes)
+    problem, infos = _varlen_problem(arrays, _VARLEN_NAMES, options, longest)
+    if not problem.has_work:
+        outputs = (
+            jnp.zeros(q.shape, q.dtype),
+            jnp.full(problem.lse_shape, -jnp.inf, problem.lse_dtype),
+        )
+    else:
+        results = (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(problem.lse_shape, problem.lse_dtype),
+        )
+        outputs = tuple(_custom_call(_VarlenForwardCall(problem, infos), results)(*arrays))
+    return _vary_like(outputs, arrays)
+
+
+def _varlen_backward(options: _Options, longest: tuple, do, q, k, v, o, lse, cq, ck, slopes):  # noqa: ANN001, ANN202
+    arrays = (do, q, k, v, o, lse, cq, ck, *slopes)
+    names = _VARLEN_BACKWARD_NAMES
+    problem, infos = _varlen_problem(arrays, names, options, longest)
+    if not problem.has_work:
+        grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros_like(v))
+        return _vary_like(grads, arrays)
+    delta_bytes = int(np.prod(problem.lse_shape)) * (4 if problem.dtype in _HALF else 8)
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((delta_bytes,), jnp.uint8),
+    )
+    call = _custom_call(_VarlenBackwardCall(problem, infos), results)
+    return _vary_like(tuple(call(*arrays)[:3]), arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention_varlen(q, k, v, cq, ck, slopes, options, longest):  # noqa: ANN001, ANN202
+    return _varlen_forward(options, longest, q, k, v, cq, ck, slopes)[0]
+
+
+def _attention_varlen_fwd(q, k, v, cq, ck, slopes, options, longest):  # noqa: ANN001, ANN202
+    o, lse = _varlen_forward(options, longest, q, k, v, cq, ck, slopes)
+    return o, (q, k, v, cq, ck, slopes, o, lse)
+
+
+def _attention_varlen_bwd(options, longest, residuals, do):  # noqa: ANN001, ANN202
+    q, k, v, cq, ck, slopes, o, lse = residuals
+    dq, dk, dv = _varlen_backward(options, longest, do, q, k, v, o, lse, cq, ck, slopes)
+    # the offsets (integers) and the slopes get no gradient
+    zero = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in (cq, ck))
+    return (dq, dk, dv, *zero, tuple(jnp.zeros_like(s) for s in slopes))
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Packed attention (:func:`cuflash.attention_varlen`), differentiable in q, k and v (custom
+    VJP), eagerly and under ``jax.jit``. q ``(Tq, Hq, d)``, k and v ``(Tk, Hkv, d)``, offsets
+    int32 ``(B + 1,)``; max_seqlen_q/k are required (static ints): on a GPU the offsets are
+    trusted as in the plain API with both given (never read out of bounds), on the CPU they are
+    checked when the call runs. Not vmappable."""
+    options = _options(causal, window, softcap, scale, "bshd")
+    named = ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"))
+    q, k, v, cq = (_as_jax(x, n) for x, n in named)
+    ck = _as_jax(cu_seqlens_k, "cu_seqlens_k")
+    longest = (max_seqlen_q, max_seqlen_k)
+    slopes = _slopes_tuple(alibi_slopes)
+    return _reraise_jvp(lambda: _attention_varlen(q, k, v, cq, ck, slopes, options, longest))

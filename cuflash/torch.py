@@ -219,3 +219,165 @@ def scaled_dot_product_attention(
         )
     out = attention(query, key, value, causal=is_causal, scale=scale, layout="bhsd")
     return out[0] if squeeze else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences: the same pattern, with the offsets as tensors and the longest
+# lengths as ints (given: no device-to-host copy inside the operators).
+
+
+@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=())
+def _attention_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _api_options(causal, window_left, window_right, softcap, scale, "bshd")
+    del options["layout"]
+    return api.attention_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes=alibi_slopes,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        **options,
+    )
+
+
+@_attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_q, cu_k, alibi_slopes, *options):
+    lse_dtype = _LSE_DTYPE.get(q.dtype, torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do = do if do.stride(-1) == 1 or do.shape[-1] <= 1 else do.contiguous()
+    options = _api_options(causal, window_left, window_right, softcap, scale, "bshd")
+    del options["layout"]
+    return api.attention_varlen_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes=alibi_slopes,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        **options,
+    )
+
+
+@_attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(do, q, k, v, o, lse, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, alibi_slopes, *options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, alibi_slopes)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    grads = _attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, alibi_slopes, *ctx.options)
+    return (*grads, None, None, None) + (None,) * len(ctx.options)
+
+
+_attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def _longest(cu_seqlens: torch.Tensor, given: int | None) -> int:
+    """max_seqlen as given, or read from the offsets (a device-to-host copy: a graph break
+    under torch.compile; pass it to avoid one)."""
+    if given is not None:
+        return given
+    if cu_seqlens.numel() < 2:
+        return 0
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def attention_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable :func:`cuflash.attention_varlen_forward` (o has a gradient; lse, the
+    offsets and the slopes do not). Give max_seqlen_q/k for torch.compile without graph breaks
+    and CUDA graphs; the operators then trust the offsets (see the plain API)."""
+    left, right = _validate.check_window(window, False)
+    softcap = _validate.check_softcap(softcap)
+    return _attention_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        _longest(cu_seqlens_q, max_seqlen_q),
+        _longest(cu_seqlens_k, max_seqlen_k),
+        causal,
+        -1 if left is None else left,
+        -1 if right is None else right,
+        0.0 if softcap is None else softcap,
+        _resolve_scale(q, scale),
+    )
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    **options,
+) -> torch.Tensor:
+    """Differentiable packed attention: q (Tq, Hq, d), k and v (Tk, Hkv, d), offsets int32
+    (B + 1,); keywords as :func:`attention_varlen_forward`."""
+    return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
