@@ -17,7 +17,11 @@
 #               (bench/bench_jax.py), with XLA's default flags and with custom calls in CUDA
 #               graphs; the command-buffer check (bench/jax_command_buffer.py); with JAX_FFI=1
 #               also the typed-FFI alternative (bench/jax_ffi_ctypes.py)
-#   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use)
+#     varlen    bench/bench_varlen.py: a packed batch of 64k tokens against dense 4k, SDPA on jagged
+#               nested tensors and padded SDPA, $VARLEN_ARGS
+#   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use);
+#   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances)
+#   SANITIZE_CASES=dense|varlen|all (default all): which calls the sanitizers run
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -50,7 +54,7 @@ if [[ ${COLD:-1} == 1 ]] && has tests; then
 fi
 # Every instance into the cache, in parallel (later steps only load binaries).
 if [[ ${PRECOMPILE:-1} == 1 ]]; then
-  $PY -m cuflash.precompile --jobs 16 > "$LOGS/precompile.log" 2>&1
+  $PY -m cuflash.precompile --jobs 16 ${PRECOMPILE_ARGS:-} > "$LOGS/precompile.log" 2>&1
   say "precompile exit $?: $(tail -1 "$LOGS/precompile.log")"
 fi
 
@@ -92,6 +96,13 @@ if has jax; then
   done
 fi
 
+if has varlen; then
+  timeout ${VARLEN_TIMEOUT:-240} $PY bench/bench_varlen.py ${VARLEN_ARGS:-} --out "$OUT/varlen" \
+    > "$LOGS/varlen.log" 2>"$LOGS/varlen.err"
+  say "bench_varlen exit $?"
+  tail -30 "$LOGS/varlen.log" >> "$SUMMARY"
+fi
+
 if has bench; then
   timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:---quick} --out "$OUT" \
     > "$LOGS/bench.log" 2>"$LOGS/bench.err"
@@ -112,13 +123,22 @@ sanitize_all() {
   # kernels' buckets (40 -> 64, 128, 256) and one mma.sync bucket (200); and the TMA forward with
   # three consumer warpgroups (192-row tiles, taken from 2048 rows on): its O staging tile and
   # TMA stores (docs/perf/NOTES.md, v9)
-  (
-    sanitize memcheck memcheck --all-buckets
-    sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
-  ) &
-  sanitize racecheck racecheck --head-dim 40 128 200 256
-  sanitize synccheck synccheck --head-dim 40 128 200 256
-  sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
+  local cases=${SANITIZE_CASES:-all}
+  if [[ $cases != varlen ]]; then
+    (
+      sanitize memcheck memcheck --all-buckets
+      sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
+    ) &
+    sanitize racecheck racecheck --head-dim 40 128 200 256
+    sanitize synccheck synccheck --head-dim 40 128 200 256
+    sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
+  fi
+  # packed calls (well-formed, and malformed offsets on trust): the mma (40, 200) and wgmma (128)
+  # kernels with the sequence lookups
+  if [[ $cases != dense ]]; then
+    sanitize memcheck_varlen memcheck --cases varlen --head-dim 40 128 200 &
+    sanitize racecheck_varlen racecheck --cases varlen --head-dim 40 128
+  fi
   wait
 }
 # The sanitizers (mostly host-bound instrumentation) run beside the test suite.

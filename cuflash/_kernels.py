@@ -152,8 +152,10 @@ _TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
 # {(family, path, bucket): tiles}.
 _SCORE_MOD_TILES = {("dkdv", "mma", 192): (32, 32, 4, 2)}  # (64, 32, 4, 2): 8 B on sm_90a
 # Packed instances whose table tiles spill (the sequence's extents and offsets take registers):
-# the d = 128 cp.async wgmma forward with three warpgroups spilled 4-16 B with score modifiers.
+# the d = 128 cp.async wgmma forward with three warpgroups spilled 4-16 B with score modifiers;
+# the d = 128 mma.sync dK/dV with every modifier 8 B on sm_80.
 _PACKED_TILES = {("forward", "wgmma", 128): (128, 64)}
+_PACKED_SCORE_MOD_TILES = {("dkdv", "mma", 128): (32, 32, 4, 2)}
 # The TMA forward writes O through a staging tile and TMA stores up to this head dim (shared
 # memory has room for the tile there).
 TMA_STORE_MAX_HEAD_DIM = 128
@@ -239,6 +241,9 @@ def default_tiles(
         return _SCORE_MOD_TILES[(family, path, bucket)]
     if features & FEATURE_PACKED and (family, path, bucket) in _PACKED_TILES:
         return _PACKED_TILES[(family, path, bucket)]
+    packed_mods = features & FEATURE_PACKED and features & BACKWARD_ON_MMA
+    if packed_mods and (family, path, bucket) in _PACKED_SCORE_MOD_TILES:
+        return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
         long_tiles = _TMA_TILES_LONG.get((family, bucket))
         if long_tiles and seq_q >= long_tiles[0]:

@@ -1,10 +1,11 @@
 """Compile kernel instances ahead of time into CuPy's disk cache, in parallel processes.
 
-    python -m cuflash.precompile [--dtype bfloat16 ...] [--head-dim 64 128 ...] [--jobs N]
+    python -m cuflash.precompile [--dtype bfloat16 ...] [--head-dim 64 128 ...] [--features 8 9 ...]
+                                 [--jobs N]
 
 Compiles every instance the dispatch can launch on GPU 0 (cuflash/_kernels.py, all_specs) for
-the dtypes and head dims asked for, so that a first call only loads a binary. The parent prints
-each instance's compile time.
+the dtypes, head dims and feature sets (sums of _kernels.FEATURE_* bits) asked for, so that a
+first call only loads a binary. The parent prints each instance's compile time.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ def _compile_one(spec: _kernels.KernelSpec) -> tuple[str, float]:
     return spec.name_expression, time.perf_counter() - start
 
 
-def selected(arch: str, dtypes: list[str], head_dims: list[int]) -> list[_kernels.KernelSpec]:
+def selected(
+    arch: str, dtypes: list[str], head_dims: list[int], features: list[int] | None = None
+) -> list[_kernels.KernelSpec]:
     buckets = {_kernels.head_dim_bucket(d) for d in head_dims}
-    work = [
-        s
-        for s in _kernels.all_specs(arch)
-        if s.dtype in dtypes and (s.family == "preprocess" or s.head_dim in buckets)
-    ]
+
+    def wanted(s: _kernels.KernelSpec) -> bool:
+        if s.dtype not in dtypes:
+            return False
+        if s.family == "preprocess":  # one dense instance, which every feature set uses
+            return True
+        return s.head_dim in buckets and (features is None or s.features in features)
+
+    work = [s for s in _kernels.all_specs(arch) if wanted(s)]
     # the slowest (large head dims, tensor-core kernels) first
     return sorted(work, key=lambda s: (-s.head_dim, s.dtype not in _kernels.TENSOR_CORE_DTYPES))
 
@@ -53,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--head-dim", nargs="+", type=_head_dim, default=list(_kernels.HEAD_DIM_BUCKETS)
     )
+    parser.add_argument(
+        "--features", nargs="+", type=int, choices=_kernels.FEATURE_SETS, default=None
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     from . import _compile
 
-    work = selected(_compile.device_arch(0), args.dtype, args.head_dim)
+    work = selected(_compile.device_arch(0), args.dtype, args.head_dim, args.features)
     start = time.perf_counter()
     # spawned workers: this process has initialised CUDA (device_arch), which forked ones inherit
     # in a state they cannot use

@@ -8,7 +8,10 @@ path (unaligned views), with a sliding window and with every score modifier (the
 instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
 before row 0 and meets a NaN key (the repair path). --all-buckets covers every
 head-dim instance; --forward-tiles and --register-store choose other TMA forwards (an explicit
-KernelChoice, cuflash/_dispatch.py).
+KernelChoice, cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
+(cuflash.attention_varlen_*: every dtype, the head dims above, causal, windows, softcap, ALiBi,
+aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, malformed);
+--cases all runs both.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 
 import torch
 
+import cuflash
 from cuflash import testing
 from cuflash._dispatch import KernelChoice
 
@@ -71,6 +75,72 @@ def run_nan_key_before_row_0(choice: KernelChoice, dtype: torch.dtype, d: int) -
     torch.cuda.synchronize()
 
 
+# Packed calls: B = 5 sequences, Nq != Nk, one without queries, one without keys, one of one row.
+VARLEN_Q = (37, 0, 1, 70, 5)
+VARLEN_K = (45, 9, 0, 64, 33)
+# Offsets that break the contract, given with max_seqlen (trusted, never read on the host): the
+# values are unspecified, but nothing outside q, k, v and the outputs may be read or written.
+VARLEN_MALFORMED = ("decreasing", "past the end", "negative", "short of the end", "too long")
+
+
+def varlen_offsets(lengths: tuple[int, ...], kind: str) -> torch.Tensor:
+    total = sum(lengths)
+    offsets = {
+        "decreasing": [0, 60, 20, 90, 50, total],
+        "past the end": [0, 10, total + 7, total + 100, 2**31 - 1, total + 1],
+        "negative": [0, -5, 20, -(2**31), total, total],
+        "short of the end": [0, 10, 20, 30, 30, total // 2],
+    }.get(kind)
+    if offsets is None:  # well-formed ("too long": sequences longer than max_seqlen says)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device="cuda")
+
+
+def run_varlen(
+    dtype: torch.dtype,
+    d: int,
+    causal: bool,
+    aligned: bool = True,
+    mods: str = "",
+    offsets: str = "well-formed",
+    trusted: bool = True,
+) -> None:
+    """A packed forward and backward; mods as run() ("alibi": slopes (Hq,), "all": (B, Hq));
+    offsets "well-formed" or one of VARLEN_MALFORMED; trusted: max_seqlen given (no host copy)."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+
+    def make(n: int, h: int) -> torch.Tensor:
+        width = d if aligned else d + 1
+        x = torch.randn(n, h, width, generator=gen, device="cuda").to(dtype)
+        return x if aligned else x[..., 1:]
+
+    tq, tk = sum(VARLEN_Q), sum(VARLEN_K)
+    q, k, v, do = make(tq, 4), make(tk, 2), make(tk, 2), make(tq, 4)
+    options = {"causal": causal}
+    if mods:
+        options["window"] = (9, 4)
+    if mods == "all":
+        options["softcap"] = 5.0
+    if mods in ("alibi", "all"):
+        shape = (len(VARLEN_Q), 4) if mods == "all" else (4,)
+        options["alibi_slopes"] = torch.rand(shape, generator=gen, device="cuda")
+    if trusted:
+        too_long = offsets == "too long"
+        options["max_seqlen_q"] = 16 if too_long else max(VARLEN_Q)
+        options["max_seqlen_k"] = 16 if too_long else max(VARLEN_K)
+    cu_q, cu_k = varlen_offsets(VARLEN_Q, offsets), varlen_offsets(VARLEN_K, offsets)
+    o, lse = cuflash.attention_varlen_forward(q, k, v, cu_q, cu_k, **options)
+    dq, dk, dv = cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, **options)
+    torch.cuda.synchronize()
+    if offsets != "well-formed":
+        return
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        if not torch.isfinite(x).all():
+            raise SystemExit(f"non-finite {name} for packed {dtype} d={d} causal={causal}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
@@ -85,6 +155,12 @@ def main() -> int:
     parser.add_argument(
         "--register-store", action="store_true", help="the TMA forward writes O from registers"
     )
+    parser.add_argument(
+        "--cases",
+        choices=["dense", "varlen", "all"],
+        default="dense",
+        help="dense calls (the default), packed variable-length calls, or both",
+    )
     args = parser.parse_args()
     tiles = tuple(int(x) for x in args.forward_tiles[0].split(",")) if args.forward_tiles else None
     choice = KernelChoice(
@@ -94,7 +170,7 @@ def main() -> int:
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
     count = 0
-    for dtype in DTYPES:
+    for dtype in DTYPES if args.cases in ("dense", "all") else ():
         for d in head_dims:
             for causal in (False, True):
                 run(choice, dtype, d, causal, aligned=True)
@@ -106,6 +182,17 @@ def main() -> int:
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
                 count += 1
+    for dtype in DTYPES if args.cases in ("varlen", "all") else ():
+        for d in head_dims:
+            for causal in (False, True):
+                run_varlen(dtype, d, causal)
+            for mods in ("window", "alibi", "all"):
+                run_varlen(dtype, d, True, mods=mods)
+            run_varlen(dtype, d, True, aligned=False, mods="all")
+            run_varlen(dtype, d, False, trusted=False)  # offsets read and checked on the host
+            for kind in VARLEN_MALFORMED:
+                run_varlen(dtype, d, True, mods="all", offsets=kind)
+            count += 7 + len(VARLEN_MALFORMED)
     print(f"sanitize cases: {count} forward+backward runs completed")
     return 0
 
