@@ -70,7 +70,7 @@ class Run:
             (
                 tensors.index(name),
                 _tma.tile_map(
-                    (p.head_dim, *p.extent(name), p.batch),
+                    p.map_shape(name),
                     strides[name],
                     itemsize,
                     rows,

@@ -96,7 +96,7 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     if not _tma_readable(p, strides, ("q", "k", "v")):
         return Pair(table, unaligned)
     tiles = choice.tiles_for("forward", "tma") or _kernels.default_tiles(
-        "forward", "tma", p.dtype, p.head_dim, p.seq_q
+        "forward", "tma", p.dtype, p.head_dim, p.seq_q, features(p)
     )
     bucket = _kernels.head_dim_bucket(p.head_dim)
     # O through a staging tile and TMA stores where shared memory has room for the tile and d
@@ -218,9 +218,8 @@ def _tma_readable(p: Problem, strides: Strides, names: tuple[str, ...]) -> bool:
     """Whether the TMA unit can address these q/k/v-shaped tensors (cuflash/_tma.py)."""
     itemsize = _kernels.ITEMSIZE[p.dtype]
     for name in names:
-        seq, heads = p.extent(name)
         sb, sh, ss = strides[name]
-        if _tma.tma_strides((p.head_dim, seq, heads, p.batch), (ss, sh, sb), itemsize) is None:
+        if _tma.tma_strides(p.map_shape(name), (ss, sh, sb), itemsize) is None:
             return False
     return True
 

@@ -39,8 +39,9 @@ FEATURE_ALIBI = 4  # S -= slope |i + Nk - Nq - j|
 FEATURE_PACKED = 8  # packed variable-length sequences (kernels_cu/params.cuh, Seq)
 # The feature sets the library launches (every combination), and so the compile check builds.
 FEATURE_SETS = tuple(range(16))
-# Packed calls take the kernels that own one sequence's rows per block: the warp-specialised TMA
-# kernels walk flat work lists and load whole boxes, which would reach into the next sequence.
+# Packed calls: the TMA forward loads boxes of the packed tensors at each sequence's rows (those
+# past the sequence are masked, kernels_cu/forward_sm90_tma.cu); the backward takes the kernels
+# that own one sequence's rows per block (the TMA backward has no packed instances yet).
 # Features whose backward runs on the mma.sync kernels on every architecture (paths): the Hopper
 # backward kernels spilled 20-112 bytes with the softcap (docs/perf/NOTES.md, v11).
 BACKWARD_ON_MMA = FEATURE_SOFTCAP
@@ -148,6 +149,9 @@ _TMA_TILES = {
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
 # (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
 _TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
+# Feature sets that keep the short sequences' tiles at every length: the packed d = 64 TMA forward
+# with three consumer warpgroups spilled 8 B with ALiBi, 24-28 B with ALiBi and a window.
+_TMA_LONG_SPILLS = {("forward", 64): FEATURE_PACKED | FEATURE_ALIBI}
 # Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
 # {(family, path, bucket): tiles}.
 _SCORE_MOD_TILES = {("dkdv", "mma", 192): (32, 32, 4, 2)}  # (64, 32, 4, 2): 8 B on sm_90a
@@ -222,7 +226,8 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
     hopper = arch == "sm_90a" and not modified_backward
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
     spills = family in ("dq", "dkdv") and features & _TMA_BACKWARD_SPILLS.get(bucket, 0)
-    no_tma = spills or features & FEATURE_PACKED
+    # packed calls: the TMA forward (its maps cover the packed tensors), not yet the TMA backward
+    no_tma = spills or (features & FEATURE_PACKED and family != "forward")
     return tuple(
         path
         for path in TENSOR_CORE_PATHS
@@ -246,7 +251,8 @@ def default_tiles(
         return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
         long_tiles = _TMA_TILES_LONG.get((family, bucket))
-        if long_tiles and seq_q >= long_tiles[0]:
+        spills = _TMA_LONG_SPILLS.get((family, bucket), 0)
+        if long_tiles and seq_q >= long_tiles[0] and (features & spills) != spills:
             return long_tiles[1]
         return _TMA_TILES[family][bucket]
     if path == "wgmma":
@@ -381,7 +387,7 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                             specs.add(instance(family, path, dt, hd, None, features))
                             break
                         for seq_q in (0, 1 << 30):  # short and long sequences' tiles
-                            tiles = default_tiles(family, path, dt, hd, seq_q)
+                            tiles = default_tiles(family, path, dt, hd, seq_q, features)
                             stores = (False, True) if family == "forward" else (False,)
                             for o_via_tma in stores:
                                 if o_via_tma and hd > TMA_STORE_MAX_HEAD_DIM:

@@ -66,6 +66,16 @@ class Problem:
             return self.seq_k, self.heads_kv
         return self.seq_q, self.heads_q
 
+    def map_shape(self, tensor: str) -> tuple[int, int, int, int]:
+        """(d, rows, heads, batch) of a q/k/v-shaped tensor as a TMA map covers it (_tma.py):
+        packed, the whole packed tensor as one sequence (the kernels add each sequence's first
+        row to the map's row coordinate)."""
+        rows, heads = self.extent(tensor)
+        if self.packed:
+            total = self.total_k if tensor in ("k", "v", "dk", "dv") else self.total_q
+            return (self.head_dim, total, heads, 1)
+        return (self.head_dim, rows, heads, self.batch)
+
     @property
     def q_shape(self) -> tuple[int, ...]:
         if self.packed:

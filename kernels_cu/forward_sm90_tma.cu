@@ -34,6 +34,13 @@
 // run every key tile for a few real rows. An odd block count gets an empty slot 0 (all its rows
 // negative, skipped), so that every pair of decode_paired_work stays within one head. Rows
 // before 0 are read as zeros by the TMA unit and never written.
+//
+// Packed sequences (PACKED): the maps cover the packed tensors, and a slot's rows are its
+// sequence's (Seq, params.cuh): slots count from the sequence's first row, or end at its last
+// where the host pairs the work (causal), and slots past its rows are empty. Tiles that reach
+// past the sequence read the next one's rows: its keys are masked (a select), its query rows are
+// never written, and a NaN or Inf among its values, which a masked tile's P = 0 would spread, sets
+// off the repair of the rows that met it (the end of the keys makes that tile a masked one).
 #include "common.cuh"
 #include "mma.cuh"
 #include "params.cuh"
@@ -65,6 +72,13 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
 struct ForwardMaps {
   TensorMap q, k, v, o;
 };
+
+// The first query row of work slot `block` of a sequence (the file's top: "Row blocks", "Packed").
+template <int BM, bool PACKED>
+__device__ __forceinline__ int slot_row0(const Params& p, const Seq<PACKED>& seq, int block) {
+  if constexpr (PACKED) return block * BM - (p.paired ? p.num_blocks * BM - seq.nq(p) : 0);
+  else return block * BM - p.row_shift;
+}
 
 // The barriers of the pipeline, in shared memory after the tiles.
 template <int Q_BUFS, int STAGES>
@@ -102,6 +116,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, O_VIA_TMA, FEATURES> Tr;
   static_assert(!Tr::STAGE_O || HD <= 128, "an O staging tile fits in shared memory at HD <= 128");
   constexpr int Q_BUFS = Tr::Q_BUFS;
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles must start on 1024-byte boundaries; the host adds 1 KB of slack for this.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -140,9 +155,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
       const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
-      const int kv_head = bc.head / p.group, m0 = bc.block * BM - p.row_shift;
-      if (m0 + BM <= 0) continue;  // an empty slot (row_shift above)
-      const TileRange tiles = Tr::Mask::of(p).key_tiles(m0, BM, BN);
+      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+      const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
+      if (m0 + BM <= 0 || m0 >= seq.nq(p)) continue;  // an empty slot (row_shift above)
+      const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
       // Visit `it` of this item's key tiles into the next stage, once the consumers released it.
       auto load_kv = [&](int it) {
         const int stage = pipe % STAGES;
@@ -152,12 +168,12 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
           tma_load_4d(sK + stage * Tr::KV_BYTES + c * (BN * 128), &maps.k, &bar.k_full[stage],
-                      64 * c, n0, kv_head, bc.batch);
+                      64 * c, seq.k_coord(n0), kv_head, seq.map_batch());
         mbar_arrive_expect_tx(&bar.v_full[stage], Tr::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
           tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &maps.v, &bar.v_full[stage],
-                      64 * c, n0, kv_head, bc.batch);
+                      64 * c, seq.k_coord(n0), kv_head, seq.map_batch());
         ++pipe;
       };
       // With one Q buffer it frees up only when the consumers have finished the previous item's
@@ -170,8 +186,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c, m0,
-                    bc.head, bc.batch);
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c,
+                    seq.q_coord(m0), bc.head, seq.map_batch());
       for (int it = early; it < count; ++it) load_kv(it);
     }
     return;
@@ -193,12 +209,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
     const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
-    blk.m0 = bc.block * BM - p.row_shift;
-    if (blk.m0 + BM <= 0) continue;  // an empty slot, skipped by the producer too
-    blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
+    const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+    blk.m0 = slot_row0<BM>(p, seq, bc.block);
+    if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too
+    blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
     fill(blk.acc_o, 0.f);
     blk.softmax.init(p.p_shift);  // see forward.cu
-    const TileRange tiles = Tr::Mask::of(p).key_tiles(blk.m0, BM, BN);
+    const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
     // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
     // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
     // (repair.cuh).
@@ -217,9 +234,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       unsigned pf[Tr::K_PV][4];
       mbar_wait(&bar.k_full[stage], phase);
       if (it < masked)
-        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p));
+        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p, seq.ext));
       else
-        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p));
+        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p, seq.ext));
       if (it == count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
       mbar_wait(&bar.v_full[stage], phase);
       blk.accumulate_pv(sV + stage * Tr::KV_BYTES, pf);
@@ -233,8 +250,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // from registers) and lse.
     float lse_rows[1][2];
     blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
-    unsigned short* o_head = head_ptr<unsigned short>(p.o, bc.batch, bc.head);
-    float* lse_head = head_ptr<float>(p.lse, bc.batch, bc.head);
+    unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
+    float* lse_head = seq.template q_head<float>(p.lse, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
     const int row0 = blk.m0 + blk.warp_row0;
     bool staged = false;
@@ -247,7 +264,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // the warpgroup writes O from registers.
       if (o_issuer) bulk_wait_read<0>();
       const int box_row0 = blk.m0 + 64 * blk.wg;
-      const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= p.seq_q;
+      const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= seq.nq(p);
       staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0 || !whole_box);
       if (staged) {
         stage_output_rows<Elem, HD, BM>(sO, blk.acc_o[0], blk.wg, blk.warp_row0 - 64 * blk.wg,
@@ -257,20 +274,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         if (o_issuer) {
 #pragma unroll
           for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-            tma_store_4d(&maps.o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c, box_row0,
-                         bc.head, bc.batch);
+            tma_store_4d(&maps.o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c,
+                         seq.q_coord(box_row0), bc.head, seq.map_batch());
           bulk_commit();
         }
       }
     }
     if (!staged)
-      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, p.seq_q, p.head_dim,
+      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p), p.head_dim,
                                              blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + (lane >> 2) + 8 * r;
-        if (row >= 0 && row < p.seq_q) lse_head[row * p.lse.seq] = lse_rows[0][r];
+        if (row >= 0 && row < seq.nq(p)) lse_head[row * p.lse.seq] = lse_rows[0][r];
       }
     }
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
@@ -278,9 +295,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const int kv_head = bc.head / p.group;
       recompute_forward_rows<Elem, HD, 1>(
           o_head + row0 * p.o.seq, p.o.seq, p.head_dim, repair, lse_rows, blk.scale_log2,
-          head_rows<const unsigned short>(p.q, bc.batch, bc.head),
-          head_rows<const unsigned short>(p.k, bc.batch, kv_head),
-          head_rows<const unsigned short>(p.v, bc.batch, kv_head), row0, Tr::Mask::of(p), blk.mod,
+          seq.template q_rows<const unsigned short>(p.q, bc.head),
+          seq.template k_rows<const unsigned short>(p.k, kv_head),
+          seq.template k_rows<const unsigned short>(p.v, kv_head), row0, Tr::Mask::of(p, seq.ext), blk.mod,
           p.head_dim, lane);
     }
   }

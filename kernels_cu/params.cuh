@@ -35,7 +35,8 @@ struct Params {
   float p_shift;      // forward: P is scaled by 2^-p_shift (softmax.cuh)
   int vec;            // 16-byte copies: pointers, strides and d allow them (tile.cuh)
   int num_blocks;     // row blocks per head: query rows (keys for dK/dV) over the block's rows
-  int row_shift;      // TMA forward: rows of the first block that lie before row 0 (causal)
+  int row_shift;      // TMA forward: rows of the first block that lie before row 0 (causal; packed:
+                      // each sequence's own, forward_sm90_tma.cu)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int lanes_per_row;  // preprocess: lanes that reduce one row
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
@@ -126,6 +127,12 @@ struct Seq {
   __device__ __forceinline__ HeadRows<T> k_rows(const TensorRef& t, int head) const {
     return HeadRows<T>{k_head<T>(t, head), t.seq};
   }
+  // TMA coordinates (tma.cuh) of this sequence's query row m / key row n and of its batch, in a
+  // map over the whole tensor (packed: (d, total rows, heads, 1); rows past the sequence are the
+  // next sequence's, which the mask hides, and rows past the tensor read as zeros).
+  __device__ __forceinline__ int q_coord(int m) const { return static_cast<int>(q0) + m; }
+  __device__ __forceinline__ int k_coord(int n) const { return static_cast<int>(k0) + n; }
+  __device__ __forceinline__ int map_batch() const { return PACKED ? 0 : batch; }
 };
 
 }  // namespace cuflash

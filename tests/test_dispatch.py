@@ -4,10 +4,12 @@ explicit choices that tests and benchmarks make."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_params import problem
 
-from cuflash import _dispatch
+from cuflash import _dispatch, _kernels
 from cuflash._dispatch import KernelChoice
 
 
@@ -155,3 +157,27 @@ def test_features_of_a_problem_pick_the_instances():
     pair = _dispatch.forward(mods, strides_of(mods), "sm_90a", 132)
     assert pair.aligned.spec.path == "tma" and pair.aligned.spec.features == 7
     assert pair.unaligned.spec.path == "wgmma" and pair.unaligned.spec.features == 7
+
+
+def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
+    """A packed call (q (Tq, Hq, d), k and v (Tk, Hkv, d)) on Hopper: the TMA forward, its maps
+    covering the packed tensors as one sequence, one work slot per row block of the longest
+    sequence, end-aligned per sequence under causal masking (the kernel finds each sequence's
+    rows); the backward stays off the TMA kernels, which have no packed instances."""
+    p = problem(
+        batch=5, seq_q=2100, seq_k=3000, head_dim=64, packed=True, total_q=5000, total_k=7000
+    )
+    d = p.head_dim
+    q, kv = (0, d, p.heads_q * d), (0, d, p.heads_kv * d)
+    strides = dict(strides_of(p), q=q, o=q, dout=q, dq=q, k=kv, v=kv, dk=kv, dv=kv)
+    assert p.map_shape("q") == (64, 5000, 8, 1) and p.map_shape("v") == (64, 7000, 2, 1)
+    pair = _dispatch.forward(p, strides, "sm_90a", 132)
+    spec = pair.aligned.spec
+    assert spec.path == "tma" and spec.features & _kernels.FEATURE_PACKED
+    assert spec.rows_per_block == 192  # the long sequences' tiles (2100 rows)
+    assert pair.aligned.paired and pair.aligned.num_blocks == 12  # 11 blocks, even: end-aligned
+    assert pair.aligned.num_work == 12 * 5 * 8
+    alibi = replace(p, alibi=True)
+    assert _dispatch.forward(alibi, strides, "sm_90a", 132).aligned.spec.rows_per_block == 128
+    launches = _dispatch.backward(p, strides, "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path != "tma" and launches.dq.aligned.spec.path != "tma"

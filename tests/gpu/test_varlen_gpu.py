@@ -473,6 +473,31 @@ def test_each_sequence_is_what_the_dense_api_gives_for_it(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# Locality: a sequence's non-finite inputs stay in that sequence
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64), ("bfloat16", 40)])
+def test_nonfinite_inputs_of_one_sequence_reach_no_other(dtype, head_dim, causal, tensor, value):
+    """Sequence 1's rows of one input set to NaN or Inf: the tiles of sequences 0 and 2 reach into
+    them (the TMA forward loads whole boxes of the packed tensors; 77 and 50 rows fill no tile),
+    yet every other sequence passes the float64 check of clean inputs."""
+    case = VarlenCase((77, 50, 130, 33), (77, 50, 130, 33), 2, 2, head_dim, dtype, causal, seed=12)
+    x = make_inputs(case)
+    rows = slice(case.cu_q[1], case.cu_q[2])
+    getattr(x, tensor)[rows] = value
+    outputs = run_varlen(case, x)
+    failures = []
+    for b in (0, 2, 3):
+        checks, f = check_sequence(case, x, outputs, b)
+        record("varlen locality", case.dtype, checks)
+        failures += f
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) Determinism
 
 
