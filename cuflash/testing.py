@@ -255,6 +255,36 @@ def attention_forward_with(
     return (*plan(*pointers), plan)
 
 
+def attention_varlen_forward_with(
+    choice: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
+) -> tuple:
+    """(o, lse, plan): as attention_forward_with, for cuflash.attention_varlen_forward (options:
+    its keywords)."""
+    from . import _cuda, _validate, api
+
+    slopes = options.pop("alibi_slopes", None)
+    seqlens = {name: options.pop(name, None) for name in ("max_seqlen_q", "max_seqlen_k")}
+    problem, infos, _ = _validate.check_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        slopes,
+        check_seqlens=options.pop("check_seqlens", False),
+        **seqlens,
+        **_validate.varlen_option_kwargs(
+            options.get("causal", False),
+            options.get("window"),
+            options.get("softcap"),
+            options.get("scale"),
+        ),
+    )
+    qi, ki, vi, alibi, cqi, cki = infos
+    plan = _cuda.ForwardPlan(problem, qi, ki, vi, choice, api.poison_outputs(), alibi)
+    return (*plan(*(i.ptr for i in (qi, ki, vi, alibi, cqi, cki) if i is not None)), plan)
+
+
 def attention_backward_with(
     choice: Any,
     do: Any,

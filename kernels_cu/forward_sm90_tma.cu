@@ -73,6 +73,30 @@ struct ForwardMaps {
   TensorMap q, k, v, o;
 };
 
+// Work item -> (row slot, head, sequence). Dense calls: decode_paired_work's list of whole heads.
+// Packed calls run over slot levels instead: slot r of every (sequence, head), heads fastest, then
+// slot r + 1 (paired: the heavy slot num_blocks - 1 - r with the light slot r). A list of whole
+// heads gives a short sequence real slots at the same few positions of each head's num_blocks
+// (the rest are past its rows), and a block-per-SM walk (item = step G + block) hands those
+// positions to the blocks whose index matches them modulo gcd(G, num_blocks): on a long-tailed
+// batch the busiest block had 1.5-2.5x the mean work (docs/perf/NOTES.md, v13).
+template <bool PACKED>
+__device__ __forceinline__ BlockCoords decode_forward_work(const Params& p, i64 item) {
+  if constexpr (!PACKED) {
+    return decode_paired_work(item, p.heads_q, p.num_blocks);
+  } else {
+    const i64 per_level = static_cast<i64>(p.heads_q) * p.batch;
+    const i64 unit = p.paired ? item >> 1 : item;
+    const int level = static_cast<int>(unit / per_level);
+    const int bh = static_cast<int>(unit - level * per_level);
+    BlockCoords c;
+    c.batch = bh / p.heads_q;
+    c.head = bh - c.batch * p.heads_q;
+    c.block = !p.paired || (item & 1) ? level : p.num_blocks - 1 - level;
+    return c;
+  }
+}
+
 // The first query row of work slot `block` of a sequence (the file's top: "Row blocks", "Packed").
 template <int BM, bool PACKED>
 __device__ __forceinline__ int slot_row0(const Params& p, const Seq<PACKED>& seq, int block) {
@@ -154,7 +178,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+      const BlockCoords bc = decode_forward_work<PACKED>(p, item);
       const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
       if (m0 + BM <= 0 || m0 >= seq.nq(p)) continue;  // an empty slot (row_shift above)
@@ -208,7 +232,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+    const BlockCoords bc = decode_forward_work<PACKED>(p, item);
     const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
     blk.m0 = slot_row0<BM>(p, seq, bc.block);
     if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too
