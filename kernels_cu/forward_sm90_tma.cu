@@ -73,26 +73,27 @@ struct ForwardMaps {
   TensorMap q, k, v, o;
 };
 
-// Work item -> (row slot, head, sequence). Dense calls: decode_paired_work's list of whole heads.
-// Packed calls run over slot levels instead: slot r of every (sequence, head), heads fastest, then
-// slot r + 1 (paired: the heavy slot num_blocks - 1 - r with the light slot r). A list of whole
-// heads gives a short sequence real slots at the same few positions of each head's num_blocks
-// (the rest are past its rows), and a block-per-SM walk (item = step G + block) hands those
-// positions to the blocks whose index matches them modulo gcd(G, num_blocks): on a long-tailed
-// batch the busiest block had 1.5-2.5x the mean work (docs/perf/NOTES.md, v13).
+// Work item -> (row slot, head, sequence): decode_paired_work's list of whole heads (consecutive
+// items share a head's keys in L2). Packed calls rotate each head's slots (pairs, when paired) by
+// the head's index in the list: a short sequence has real slots only at a few positions of its
+// num_blocks (the rest lie past its rows), and a block-per-SM walk (item = step G + block) hands
+// the same positions of every head to the blocks whose index matches them modulo
+// gcd(G, num_blocks): on a long-tailed batch the busiest block had 1.2-2.5x the mean work,
+// 1.03-1.14x rotated (simulated on five draws). A list by slot level (slot r of every head, then r + 1) is as
+// balanced but lost the L2 sharing: equal lengths ran 25-30% slower (docs/perf/NOTES.md, v13).
 template <bool PACKED>
 __device__ __forceinline__ BlockCoords decode_forward_work(const Params& p, i64 item) {
   if constexpr (!PACKED) {
     return decode_paired_work(item, p.heads_q, p.num_blocks);
   } else {
-    const i64 per_level = static_cast<i64>(p.heads_q) * p.batch;
-    const i64 unit = p.paired ? item >> 1 : item;
-    const int level = static_cast<int>(unit / per_level);
-    const int bh = static_cast<int>(unit - level * per_level);
+    const int units = p.paired ? p.num_blocks / 2 : p.num_blocks;  // per (sequence, head)
+    const i64 unit_item = p.paired ? item >> 1 : item;
+    const i64 group = unit_item / units;
+    const int unit = static_cast<int>((unit_item - group * units + group % units) % units);
     BlockCoords c;
-    c.batch = bh / p.heads_q;
-    c.head = bh - c.batch * p.heads_q;
-    c.block = !p.paired || (item & 1) ? level : p.num_blocks - 1 - level;
+    c.batch = static_cast<int>(group / p.heads_q);
+    c.head = static_cast<int>(group - static_cast<i64>(c.batch) * p.heads_q);
+    c.block = !p.paired || (item & 1) ? unit : p.num_blocks - 1 - unit;
     return c;
   }
 }
