@@ -381,3 +381,7 @@ def attention_varlen(
     """Differentiable packed attention: q (Tq, Hq, d), k and v (Tk, Hkv, d), offsets int32
     (B + 1,); keywords as :func:`attention_varlen_forward`."""
     return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
+
+
+# Context parallelism: ring attention over torch.distributed (cuflash/_ring.py).
+from ._ring import ring_attention, zigzag_shard, zigzag_unshard  # noqa: E402, F401

@@ -1,0 +1,247 @@
+"""Ring attention (context parallelism) over torch.distributed: exact attention over a sequence
+split across ranks, built on cuflash's forward (which returns the logsumexp) and backward (which
+takes o and lse).
+
+Each of P ranks holds a zigzag shard of the sequence: cut into 2P equal chunks, rank r holds
+chunks r and 2P - 1 - r, concatenated in that order along the sequence axis, which gives every
+rank the same causal work. The key/value shards travel around the ring (rank r sends to r + 1 and
+receives from r - 1), P steps; at each step a rank attends its two query chunks to the two
+key/value chunks it holds, skipping pairs the causal mask hides (key chunk after query chunk),
+with a causal call on the diagonal (equal chunks: bottom-right = top-left alignment) and a plain
+call below it. The partial results are merged with their logsumexps in float32 (float64 for
+float64 inputs); the backward runs cuflash's backward on each visible pair with the merged o and
+lse (so each pair's P is the global softmax), adds dQ locally and passes dK/dV accumulators
+(float32) around the ring with their key/value shard, one more hop returning them to the owner.
+Additions happen in a fixed order: the result is deterministic for a given number of ranks.
+
+Communication: asynchronous point-to-point (torch.distributed.batch_isend_irecv) on the
+process group's backend (NCCL for CUDA tensors, gloo for CPU tensors, where the NumPy backend
+computes); the next shard is in flight while the current one is computed (two buffers). Grouped
+heads send only the Hkv heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import api
+
+LAYOUTS = {"bshd": 1, "bhsd": 2}  # the sequence axis of each layout
+
+
+def _check_layout(layout: object) -> int:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"layout must be 'bshd' (B, N, H, d) or 'bhsd' (B, H, N, d); got {layout!r}"
+        )
+    return LAYOUTS[layout]
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ring_attention needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group)"
+        )
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    return world_size
+
+
+def zigzag_shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s zigzag shard of a full sequence: x cut into 2 world_size equal chunks along
+    `dim` (1 for bshd, 2 for bhsd), chunks rank and 2 world_size - 1 - rank, concatenated."""
+    world_size = _check_world_size(world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+    n = x.shape[dim]
+    if n % (2 * world_size):
+        raise ValueError(
+            f"the sequence (dim {dim}, length {n}) must split into 2 x world_size = "
+            f"{2 * world_size} equal chunks"
+        )
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def zigzag_unshard(
+    shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 1
+) -> torch.Tensor:
+    """The full sequence from every rank's zigzag shard (shards[r] from rank r): the inverse of
+    zigzag_shard."""
+    world_size = len(shards)
+    if world_size < 1:
+        raise ValueError("shards must hold one shard per rank; got none")
+    halves = [s.chunk(2, dim) for s in shards]
+    ordered = [halves[i][0] for i in range(world_size)]
+    ordered += [halves[world_size - 1 - i][1] for i in range(world_size)]
+    return torch.cat(ordered, dim)
+
+
+def _exchange(send: list[torch.Tensor], group, world_size: int, rank: int) -> tuple[list, list]:
+    """Posts sending `send` to the next rank and receiving as many tensors from the previous one;
+    returns (requests, received buffers). Ranks are translated to the default group's."""
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    if group is not None:
+        nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    received = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prev, group) for t in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _pairs(rank: int, owner: int, world_size: int, causal: bool):
+    """(query half, key half, causal) of every visible pair of chunks: this rank's query chunks
+    (rank, 2P - 1 - rank) against the key/value chunks of `owner`'s shard."""
+    q_ids = (rank, 2 * world_size - 1 - rank)
+    k_ids = (owner, 2 * world_size - 1 - owner)
+    for qi, q_id in enumerate(q_ids):
+        for ki, k_id in enumerate(k_ids):
+            if not causal:
+                yield qi, ki, False
+            elif k_id < q_id:
+                yield qi, ki, False
+            elif k_id == q_id:
+                yield qi, ki, True
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], seq_dim: int, acc_dtype):
+    """(o, lse) of the union of disjoint key sets from each set's (o, lse): o weighted by
+    exp(lse_s - max lse), in acc_dtype; rows that see no key anywhere give 0 and -inf."""
+    lse = torch.stack([part[1].to(acc_dtype) for part in parts])  # (S, B, H, n)
+    top = lse.amax(0)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weights = torch.exp(lse - top)
+    total = weights.sum(0)
+    o = None
+    for (o_s, _), w in zip(parts, weights, strict=True):
+        w = w.transpose(-1, -2) if seq_dim == 1 else w  # (B, n, H) for bshd
+        term = o_s.to(acc_dtype) * w.unsqueeze(-1)
+        o = term if o is None else o + term
+    norm = total.transpose(-1, -2) if seq_dim == 1 else total
+    o = torch.where(norm.unsqueeze(-1) > 0, o / norm.unsqueeze(-1), torch.zeros_like(o))
+    lse_out = torch.where(total > 0, top + torch.log(total), torch.full_like(top, -float("inf")))
+    return o, lse_out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout):
+        seq_dim = _check_layout(layout)
+        world_size, rank = _world(group)
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        options = dict(scale=scale, layout=layout)
+        q_halves = q.chunk(2, seq_dim)
+        parts: list[list] = [[], []]
+        block = [k.contiguous(), v.contiguous()]
+        for step in range(world_size):
+            pending = None
+            if step + 1 < world_size:  # the next shard travels while this one is computed
+                pending = _exchange(block, group, world_size, rank)
+            owner = (rank - step) % world_size
+            k_halves, v_halves = block[0].chunk(2, seq_dim), block[1].chunk(2, seq_dim)
+            for qi, ki, diagonal in _pairs(rank, owner, world_size, causal):
+                parts[qi].append(
+                    api.attention_forward(
+                        q_halves[qi], k_halves[ki], v_halves[ki], causal=diagonal, **options
+                    )
+                )
+            if pending is not None:
+                for request in pending[0]:
+                    request.wait()
+                block = pending[1]
+        merged = [_merge(p, seq_dim, acc_dtype) for p in parts]
+        o = torch.cat([m[0] for m in merged], seq_dim).to(q.dtype)
+        lse = torch.cat([m[1] for m in merged], -1).to(acc_dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.ring = (group, causal, scale, layout)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, causal, scale, layout = ctx.ring
+        seq_dim = LAYOUTS[layout]
+        world_size, rank = _world(group)
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        options = dict(scale=scale, layout=layout)
+        do = do.contiguous()
+        q_halves, o_halves, do_halves = (x.chunk(2, seq_dim) for x in (q, o, do))
+        lse_halves = [half.contiguous() for half in lse.chunk(2, -1)]
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dq_halves = dq.chunk(2, seq_dim)
+        block = [k.contiguous(), v.contiguous()]
+        grads = [torch.zeros(k.shape, dtype=acc_dtype, device=k.device) for _ in range(2)]
+        for step in range(world_size):
+            pending = None
+            if step + 1 < world_size:  # prefetch the next key/value shard
+                pending = _exchange(block, group, world_size, rank)
+            owner = (rank - step) % world_size
+            k_halves, v_halves = block[0].chunk(2, seq_dim), block[1].chunk(2, seq_dim)
+            dk_halves, dv_halves = grads[0].chunk(2, seq_dim), grads[1].chunk(2, seq_dim)
+            for qi, ki, diagonal in _pairs(rank, owner, world_size, causal):
+                dq_p, dk_p, dv_p = api.attention_backward(
+                    do_halves[qi],
+                    q_halves[qi],
+                    k_halves[ki],
+                    v_halves[ki],
+                    o_halves[qi],
+                    lse_halves[qi],
+                    causal=diagonal,
+                    **options,
+                )
+                dq_halves[qi].add_(dq_p.to(acc_dtype))
+                dk_halves[ki].add_(dk_p.to(acc_dtype))
+                dv_halves[ki].add_(dv_p.to(acc_dtype))
+            # the accumulators follow their shard; after the last step one hop takes them home
+            if world_size > 1:
+                requests, grads = _exchange(grads, group, world_size, rank)
+                for request in requests:
+                    request.wait()
+            if pending is not None:
+                for request in pending[0]:
+                    request.wait()
+                block = pending[1]
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> torch.Tensor:
+    """This rank's shard of exact attention over a sequence split across the ranks of `group`.
+
+    q, k, v: this rank's zigzag shards (zigzag_shard: chunks r and 2P - 1 - r of the sequence, in
+    that order), ``(B, n, H, d)`` (bshd) or ``(B, H, n, d)`` (bhsd) with n even and the same on
+    every rank; k and v may have fewer heads (grouped heads). causal: over the whole sequence.
+    scale defaults to 1 / sqrt(d). Differentiable (autograd); deterministic for a given number
+    of ranks. Every rank of the group must call it with shards of the same shapes."""
+    seq_dim = _check_layout(layout)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions ({layout}); got shape {tuple(x.shape)}"
+            )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    n = q.shape[seq_dim]
+    if n % 2 or k.shape[seq_dim] != n or v.shape[seq_dim] != n:
+        raise ValueError(
+            f"q, k and v must be zigzag shards of one sequence (two equal chunks each): sequence "
+            f"lengths {n}, {k.shape[seq_dim]}, {v.shape[seq_dim]} along dim {seq_dim}"
+        )
+    _world(group)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout)
