@@ -728,3 +728,7 @@ def attention_varlen(
     longest = (max_seqlen_q, max_seqlen_k)
     slopes = _slopes_tuple(alibi_slopes)
     return _reraise_jvp(lambda: _attention_varlen(q, k, v, cq, ck, slopes, options, longest))
+
+
+# Context parallelism: ring attention inside shard_map (cuflash/_jax_ring.py).
+from ._jax_ring import ring_attention, zigzag_order, zigzag_restore  # noqa: E402, F401
