@@ -43,12 +43,14 @@ def _bhsd64(x: torch.Tensor, layout: str) -> np.ndarray:
     return (x.transpose(1, 2) if layout == "bshd" else x).numpy()
 
 
-def _check_rank(world_size: int, rank: int, causal: bool, layout: str, dtype, shape, seed) -> None:
+def _check_rank(
+    world_size: int, rank: int, causal: bool, layout: str, dtype, shape, seed, window=None
+) -> None:
     """Ring attention on this rank's shards against the shards of the single-process call."""
     seq_dim = 1 if layout == "bshd" else 2
     q, k, v, do = _full_inputs(shape, layout, dtype, seed, world_size)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    o_full = cft.attention(*leaves, causal=causal, layout=layout)
+    o_full = cft.attention(*leaves, causal=causal, window=window, layout=layout)
     o_full.backward(do)
     full = (o_full.detach(), *(x.grad for x in leaves))
 
@@ -56,7 +58,7 @@ def _check_rank(world_size: int, rank: int, causal: bool, layout: str, dtype, sh
         return cft.zigzag_shard(x, world_size, rank, seq_dim)
 
     local = [shard(x).clone().requires_grad_() for x in (q, k, v)]
-    o = cft.ring_attention(*local, causal=causal, layout=layout)
+    o = cft.ring_attention(*local, causal=causal, window=window, layout=layout)
     o.backward(shard(do))
     got = (o.detach(), *(x.grad for x in local))
     names = ("o", "dq", "dk", "dv")
@@ -65,7 +67,7 @@ def _check_rank(world_size: int, rank: int, causal: bool, layout: str, dtype, sh
             torch.testing.assert_close(g, shard(f), rtol=1e-10, atol=1e-12, msg=name)
     else:  # the policy against the float64 reference, shard by shard
         q64, k64, v64, do64 = (_bhsd64(x, layout) for x in (q, k, v, do))
-        kw = dict(causal=causal, scale=1 / math.sqrt(shape[4]))
+        kw = dict(causal=causal, scale=1 / math.sqrt(shape[4]), window=window)
         o_ref, lse_ref = testing.naive_forward(q64, k64, v64, dtype="float64", **kw)
         o_low, _ = testing.naive_forward(q64, k64, v64, dtype="float32", **kw)
         refs = [o_ref]
@@ -89,7 +91,7 @@ def _check_rank(world_size: int, rank: int, causal: bool, layout: str, dtype, sh
             assert check.passed, f"rank {rank}: {check.message}"
     # the same inputs give the same bits
     again = [shard(x).clone().requires_grad_() for x in (q, k, v)]
-    o2 = cft.ring_attention(*again, causal=causal, layout=layout)
+    o2 = cft.ring_attention(*again, causal=causal, window=window, layout=layout)
     o2.backward(shard(do))
     assert torch.equal(o2.detach(), got[0])
     for x, g in zip(again, got[1:], strict=True):
@@ -124,6 +126,11 @@ def test_ring_attention_equals_attention_on_the_gathered_sequence(world_size):
             for i, shape in enumerate(SHAPES):
                 cases.append((causal, layout, torch.float64, shape, 10 * world_size + i))
         cases.append((causal, "bshd", torch.float32, SHAPES[0], 7))
+    # windows over the whole sequence: within a chunk, reaching into the next chunks, one-sided
+    for causal, window in ((True, (4, None)), (False, (2, 3)), (False, (0, 0)), (False, (6, -1))):
+        cases.append((causal, "bshd", torch.float64, SHAPES[1], 3, window))
+    cases.append((False, "bhsd", torch.float64, SHAPES[0], 4, (-1, 2)))
+    cases.append((True, "bshd", torch.float32, SHAPES[0], 5, (3, 0)))
     _run(world_size, cases)
 
 
@@ -157,3 +164,39 @@ def test_errors():
         with pytest.raises(RuntimeError, match="init_process_group"):
             cft.ring_attention(x, x, x)
     assert cuflash.attention is not None
+
+
+def test_each_call_sees_exactly_the_global_band_on_its_pair_of_chunks():
+    """_rectangle's (rows, keys, window), read with cuflash's bottom-right mask, against the band
+    x - left <= y <= x + right on global positions, for every pair of chunks and many bands."""
+    from cuflash._ring import _rectangle
+
+    bounds = (None, 0, 1, 2, 3, 5, 8, 13)
+    for chunk in (1, 2, 3, 5):
+        for q_id in range(6):
+            for k_id in range(6):
+                for left in bounds:
+                    for right in bounds:
+                        x = q_id * chunk + np.arange(chunk)[:, None]
+                        y = k_id * chunk + np.arange(chunk)[None, :]
+                        want = np.ones((chunk, chunk), bool)
+                        if left is not None:
+                            want &= y >= x - left
+                        if right is not None:
+                            want &= y <= x + right
+                        got = np.zeros((chunk, chunk), bool)
+                        call = _rectangle(q_id, k_id, chunk, left, right)
+                        if call is not None:
+                            rows, keys, window = call
+                            nq, nk = rows.stop - rows.start, keys.stop - keys.start
+                            i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+                            seen = np.ones((nq, nk), bool)
+                            wl, wr = window or (None, None)
+                            if wl is not None:
+                                assert wl >= 0
+                                seen &= j >= i + nk - nq - wl
+                            if wr is not None:
+                                assert wr >= 0
+                                seen &= j <= i + nk - nq + wr
+                            got[rows, keys] = seen
+                        assert np.array_equal(got, want), (chunk, q_id, k_id, left, right, call)
