@@ -19,6 +19,8 @@
 #               also the typed-FFI alternative (bench/jax_ffi_ctypes.py)
 #     varlen    bench/bench_varlen.py: a packed batch of 64k tokens against dense 4k, SDPA on jagged
 #               nested tensors and padded SDPA, $VARLEN_ARGS
+#     ring      bench/bench_ring.py under torchrun, one process per GPU (weak scaling of ring
+#               attention; the multi-GPU kinds), $RING_ARGS
 #   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances)
 #   SANITIZE_CASES=dense|varlen|all (default all): which calls the sanitizers run
@@ -101,6 +103,14 @@ if has varlen; then
     > "$LOGS/varlen.log" 2>"$LOGS/varlen.err"
   say "bench_varlen exit $?"
   tail -30 "$LOGS/varlen.log" >> "$SUMMARY"
+fi
+
+if has ring; then
+  GPUS=$(nvidia-smi -L | wc -l)
+  timeout ${RING_TIMEOUT:-400} $PY -m torch.distributed.run --nproc_per_node "$GPUS" \
+    bench/bench_ring.py ${RING_ARGS:-} --out "$OUT/ring" > "$LOGS/ring.log" 2>"$LOGS/ring.err"
+  say "bench_ring on $GPUS GPUs exit $?"
+  cat "$OUT/ring/ring_table.txt" >> "$SUMMARY" 2>/dev/null
 fi
 
 if has bench; then
