@@ -49,8 +49,8 @@ class _ComputeOnly:
     def __enter__(self):
         self._exchange = _ring._exchange
 
-        def local(send, group, world_size, rank):
-            return [], [t.clone() for t in send]
+        def local(send, group, world_size, rank, tag=0):
+            return [], [t.clone() for t in send], send
 
         _ring._exchange = local
         return self

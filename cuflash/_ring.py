@@ -11,9 +11,10 @@ rectangle of its rows and keys that see anything, with the window that rectangle
 alignment needs (_rectangle): the diagonal pair is a causal call, a pair below the diagonal a
 plain one, a pair the mask hides no call. The partial results are merged with their logsumexps
 in float32 (float64 for float64 inputs); the backward runs cuflash's backward on each call with
-the merged o and lse (so each pair's P is the global softmax), adds dQ locally and passes dK/dV
+the merged o and the merged o and lse (so each pair's P is the global softmax), adds dQ locally and passes dK/dV
 accumulators (float32) around the ring with their key/value shard, one more hop returning them
-to the owner.
+to the owner; a step's contributions are added to the accumulator when it arrives, so that its
+transfer overlaps the step's products.
 Additions happen in a fixed order: the result is deterministic for a given number of ranks.
 
 Communication: asynchronous point-to-point (torch.distributed.batch_isend_irecv) on the
@@ -85,16 +86,20 @@ def zigzag_unshard(
     return torch.cat(ordered, dim)
 
 
-def _exchange(send: list[torch.Tensor], group, world_size: int, rank: int) -> tuple[list, list]:
+def _exchange(
+    send: list[torch.Tensor], group, world_size: int, rank: int, tag: int = 0
+) -> tuple[list, list]:
     """Posts sending `send` to the next rank and receiving as many tensors from the previous one;
-    returns (requests, received buffers). Ranks are translated to the default group's."""
+    returns (requests, received buffers, the tensors sent: held until the requests complete).
+    Ranks are translated to the default group's. Every rank posts its exchanges in the same order
+    (tag: key/value shards 0, dK/dV accumulators 1)."""
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     if group is not None:
         nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
     received = [torch.empty_like(t) for t in send]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, prev, group) for t in received]
-    return dist.batch_isend_irecv(ops), received
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prev, group, tag) for t in received]
+    return dist.batch_isend_irecv(ops), received, send
 
 
 def _rectangle(q_id: int, k_id: int, chunk: int, left, right):
@@ -233,12 +238,17 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_halves = dq.chunk(2, seq_dim)
         block = [k.contiguous(), v.contiguous()]
-        grads = [torch.zeros(k.shape, dtype=acc_dtype, device=k.device) for _ in range(2)]
+        # The dK/dV accumulator of the shard held at step s comes from the previous rank, which held
+        # that shard at step s - 1; this step's contributions go into a zeroed buffer meanwhile
+        # and are added to it (received first) once it has arrived, then it moves on: its
+        # transfer overlaps the next step's products.
+        accumulator = None  # (requests, buffers) of the accumulator in flight to this rank
         for step in range(world_size):
             pending = None
             if step + 1 < world_size:  # prefetch the next key/value shard
                 pending = _exchange(block, group, world_size, rank)
             owner = (rank - step) % world_size
+            grads = [torch.zeros(k.shape, dtype=acc_dtype, device=k.device) for _ in range(2)]
             if band == (None, None):
                 calls = [(None, None, slice(0, 2 * chunk), slice(0, 2 * chunk), None)]
                 halves = [(do,), (q,), (o,), (lse,), (dq,)], [(block[0],), (block[1],)]
@@ -269,15 +279,21 @@ class _RingAttention(torch.autograd.Function):
                 _rows(dq_h[qi], seq_dim, rows).add_(dq_p.to(acc_dtype))
                 _rows(keys_of[0][ki], seq_dim, keys).add_(dk_p.to(acc_dtype))
                 _rows(keys_of[1][ki], seq_dim, keys).add_(dv_p.to(acc_dtype))
-            # the accumulators follow their shard; after the last step one hop takes them home
-            if world_size > 1:
-                requests, grads = _exchange(grads, group, world_size, rank)
-                for request in requests:
+            if accumulator is not None:
+                for request in accumulator[0]:
                     request.wait()
+                grads = [held + new for held, new in zip(accumulator[1], grads, strict=True)]
+            # the accumulator follows its shard; after the last step one hop takes it home
+            if world_size > 1:
+                accumulator = _exchange(grads, group, world_size, rank, tag=1)
             if pending is not None:
                 for request in pending[0]:
                     request.wait()
                 block = pending[1]
+        if accumulator is not None:
+            for request in accumulator[0]:
+                request.wait()
+            grads = accumulator[1]
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 
