@@ -4,6 +4,7 @@
     o, lse = cuflash.attention_forward(q, k, v, ...)
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, ...)
     o, lse = cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  # packed
+    o, lse = cuflash.combine(o_partials, lse_partials)  # merge results over disjoint key sets
 
 Inputs are any DLPack arrays (NumPy, CuPy, PyTorch, JAX); results come back in the caller's
 library. ``cuflash.reference`` is the float64 NumPy reference the kernels are tested against.
@@ -18,6 +19,7 @@ from .api import (
     attention_varlen,
     attention_varlen_backward,
     attention_varlen_forward,
+    combine,
 )
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "combine",
     "reference",
     "__version__",
 ]

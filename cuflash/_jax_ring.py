@@ -77,21 +77,13 @@ def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _merge(parts, seq_axis: int, acc_dtype):
-    """(o, lse) over the union of disjoint key sets (see cuflash/_ring.py, _merge)."""
-    lse = jnp.stack([part[1].astype(acc_dtype) for part in parts])  # (S, B, H, n)
-    top = lse.max(0)
-    top = jnp.where(jnp.isneginf(top), 0, top)
-    weights = jnp.exp(lse - top)
-    total = weights.sum(0)
-    o = 0
-    for (o_s, _), w in zip(parts, weights, strict=True):
-        w = jnp.swapaxes(w, -1, -2) if seq_axis == 1 else w
-        o = o + o_s.astype(acc_dtype) * w[..., None]
-    norm = (jnp.swapaxes(total, -1, -2) if seq_axis == 1 else total)[..., None]
-    o = jnp.where(norm > 0, o / jnp.where(norm > 0, norm, 1), 0)
-    lse_out = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
-    return o, lse_out
+def _merge(parts, seq_axis: int):
+    """(o, lse) over the union of the parts' key sets (cuflash.combine's merge)."""
+    from . import _combine
+
+    o = jnp.stack([part[0] for part in parts])
+    lse = jnp.stack([part[1] for part in parts])
+    return _combine.merge(o, lse, bshd=seq_axis == 1)
 
 
 def _halves(x, axis):
@@ -142,7 +134,7 @@ def _ring_forward(q, k, v, axis_name, causal, scale, layout):
             parts_b.append(fwd(qb, kc, vc))
         if nxt is not None:
             block = nxt
-    (o_a, lse_a), (o_b, lse_b) = _merge(parts_a, seq, acc), _merge(parts_b, seq, acc)
+    (o_a, lse_a), (o_b, lse_b) = _merge(parts_a, seq), _merge(parts_b, seq)
     o = jnp.concatenate([o_a, o_b], seq).astype(q.dtype)
     lse = jnp.concatenate([lse_a, lse_b], -1).astype(
         jnp.float64 if acc == jnp.float64 else jnp.float32

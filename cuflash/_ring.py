@@ -11,7 +11,7 @@ rectangle of its rows and keys that see anything, with the window that rectangle
 alignment needs (_rectangle): the diagonal pair is a causal call, a pair below the diagonal a
 plain one, a pair the mask hides no call. The partial results are merged with their logsumexps
 in float32 (float64 for float64 inputs); the backward runs cuflash's backward on each call with
-the merged o and the merged o and lse (so each pair's P is the global softmax), adds dQ locally and passes dK/dV
+the merged o and lse (so each pair's P is the global softmax), adds dQ locally and passes dK/dV
 accumulators (float32) around the ring with their key/value shard, one more hop returning them
 to the owner; a step's contributions are added to the accumulator when it arrives, so that its
 transfer overlaps the step's products.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _validate, api
+from . import _combine, _validate, api
 
 LAYOUTS = {"bshd": 1, "bhsd": 2}  # the sequence axis of each layout
 
@@ -141,23 +141,11 @@ def _calls(rank: int, owner: int, world_size: int, chunk: int, band):
                 yield (qi, ki, *rect)
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], seq_dim: int, acc_dtype):
-    """(o, lse) of the union of disjoint key sets from each set's (o, lse): o weighted by
-    exp(lse_s - max lse), in acc_dtype; rows that see no key anywhere give 0 and -inf."""
-    lse = torch.stack([part[1].to(acc_dtype) for part in parts])  # (S, B, H, n)
-    top = lse.amax(0)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    weights = torch.exp(lse - top)
-    total = weights.sum(0)
-    o = None
-    for (o_s, _), w in zip(parts, weights, strict=True):
-        w = w.transpose(-1, -2) if seq_dim == 1 else w  # (B, n, H) for bshd
-        term = o_s.to(acc_dtype) * w.unsqueeze(-1)
-        o = term if o is None else o + term
-    norm = total.transpose(-1, -2) if seq_dim == 1 else total
-    o = torch.where(norm.unsqueeze(-1) > 0, o / norm.unsqueeze(-1), torch.zeros_like(o))
-    lse_out = torch.where(total > 0, top + torch.log(total), torch.full_like(top, -float("inf")))
-    return o, lse_out
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], seq_dim: int):
+    """(o, lse) over the union of the parts' key sets (cuflash.combine's merge)."""
+    o = torch.stack([part[0] for part in parts])
+    lse = torch.stack([part[1] for part in parts])
+    return _combine.merge(o, lse, bshd=seq_dim == 1)
 
 
 def _rows(x: torch.Tensor, seq_dim: int, rows: slice) -> torch.Tensor:
@@ -216,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
                 for request in pending[0]:
                     request.wait()
                 block = pending[1]
-        merged = [_merge(p, seq_dim, acc_dtype) for p in parts]
+        merged = [_merge(p, seq_dim) for p in parts]
         o = torch.cat([m[0] for m in merged], seq_dim).to(q.dtype)
         lse = torch.cat([m[1] for m in merged], -1).to(acc_dtype)
         ctx.save_for_backward(q, k, v, o, lse)

@@ -305,3 +305,25 @@ def attention_varlen_backward(
     )
     pointers = (doi, qi, ki, vi, oi, lsei, alibi, cqi, cki)
     return plan(*(i.ptr for i in pointers if i is not None))
+
+
+def combine(o_partials: Array, lse_partials: Array, *, layout: str = "bshd") -> tuple[Array, Array]:
+    """Attention over the union of disjoint key sets from each set's result.
+
+    Args:
+        o_partials: what attention_forward returned for each key set (same queries), stacked on
+            a new first axis: ``(S, B, Nq, Hq, d)`` (bshd), ``(S, B, Hq, Nq, d)`` (bhsd) or
+            ``(S, Nq, d)``; float16, bfloat16, float32 or float64.
+        lse_partials: their lse, stacked the same way: ``(S, B, Hq, Nq)`` or ``(S, Nq)``.
+        layout: "bshd" or "bhsd", as the parts were computed.
+
+    Returns:
+        ``(o, lse)`` as attention_forward over every key set together would return them (up to
+        rounding): merged in float32 (float64 for float64 parts), o in the parts' dtype, lse
+        float32 (float64). Rows that see no key in any part give o = 0 and lse = -inf. Arrays of
+        the parts' library (NumPy, CuPy, PyTorch, JAX, traced values included) on their device.
+    """
+    from . import _combine
+
+    bshd = _combine.check(o_partials, lse_partials, layout)
+    return _combine.merge(o_partials, lse_partials, bshd)
