@@ -180,3 +180,25 @@ def make_inputs(
         a = math.sqrt(score_range / (3.0 * problem.scale_value * math.sqrt(problem.d)))
         q, k = q * a, k * a
     return tuple(np.asarray(x).astype(dtype) for x in (q, k, v, do))
+
+
+def window_bounds(longest: int) -> st.SearchStrategy[int | None]:
+    """A window bound: none, -1, 0, 1, small, around the tiles' edges, up to `longest`."""
+    return st.one_of(
+        st.none(), st.just(-1), st.sampled_from([0, 1, 2, 63, 64, 65]), st.integers(0, longest)
+    )
+
+
+@st.composite
+def score_options(draw, longest: int = 3000) -> dict:
+    """The options of the masks issue, each drawn in about a third of the cases: a window
+    (bounds up to `longest`), a softcap, ALiBi slopes per head or per batch ("head", "batch")."""
+    options = {}
+    if draw(st.integers(0, 2)) == 0:
+        bounds = window_bounds(longest)
+        options["window"] = (draw(bounds), draw(bounds))
+    if draw(st.integers(0, 3)) == 0:
+        options["softcap"] = draw(st.floats(0.5, 50.0))
+    if draw(st.integers(0, 3)) == 0:
+        options["alibi"] = draw(st.sampled_from(["head", "batch"]))
+    return options

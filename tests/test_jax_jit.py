@@ -9,9 +9,6 @@ must equal eager ones bit for bit; eager results are held to the float64 referen
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -23,6 +20,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 cfj = pytest.importorskip("cuflash.jax")
 
+from host_devices import run_on_host_devices  # noqa: E402
 from strategies import attention_problems, make_inputs  # noqa: E402
 
 import cuflash  # noqa: E402
@@ -307,21 +305,4 @@ def test_shard_map_over_batch_and_heads():
     """Four CPU devices (a fresh process: the device count is fixed when JAX starts)."""
     if not hasattr(jax, "shard_map"):
         pytest.skip("jax.shard_map is not in this JAX")
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            os.path.dirname(os.path.dirname(os.path.abspath(cuflash.__file__))),
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", SHARD_MAP_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "shard_map ok" in result.stdout
+    assert "shard_map ok" in run_on_host_devices(SHARD_MAP_SCRIPT, timeout=300)

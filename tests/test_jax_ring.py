@@ -6,18 +6,15 @@ the same bits; zigzag_order / zigzag_restore and the errors."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from host_devices import run_on_host_devices
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 
 RING_SCRIPT = textwrap.dedent(
@@ -85,20 +82,7 @@ RING_SCRIPT = textwrap.dedent(
 def test_ring_attention_in_shard_map_equals_attention_on_the_whole_sequence():
     if not hasattr(jax, "shard_map"):
         pytest.skip("jax.shard_map is not in this JAX")
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            os.path.dirname(os.path.dirname(os.path.abspath(cuflash.__file__))),
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", RING_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ring ok" in result.stdout
+    assert "ring ok" in run_on_host_devices(RING_SCRIPT)
 
 
 def test_zigzag_order_and_restore():

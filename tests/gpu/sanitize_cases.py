@@ -28,6 +28,30 @@ from cuflash._dispatch import KernelChoice
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def inputs(gen, dtype, d: int, aligned: bool, rows_q: tuple, rows_k: tuple) -> list:
+    """q, k, v, dO of shapes (*rows_q, 4, d) and (*rows_k, 2, d); unaligned: row pitch d + 1, the
+    data one element in (the kernels for any strides)."""
+
+    def make(rows: tuple, h: int) -> torch.Tensor:
+        width = d if aligned else d + 1
+        x = torch.randn(*rows, h, width, generator=gen, device="cuda").to(dtype)
+        return x if aligned else x[..., 1:]
+
+    return [make(rows_q, 4), make(rows_k, 2), make(rows_k, 2), make(rows_q, 4)]
+
+
+def mod_options(causal: bool, mods: str, gen, slopes_shape: tuple) -> dict:
+    """The call's options for mods (see run)."""
+    options = {"causal": causal}
+    if mods:
+        options["window"] = (9, 4)
+    if mods == "all":
+        options["softcap"] = 5.0
+    if mods in ("alibi", "all"):
+        options["alibi_slopes"] = torch.rand(slopes_shape, generator=gen, device="cuda")
+    return options
+
+
 def run(
     choice: KernelChoice,
     dtype: torch.dtype,
@@ -41,20 +65,8 @@ def run(
     """mods: "" (none), "window" (a sliding window: the LOCAL instances), "alibi" (window and
     ALiBi: the Hopper backward kernels take it) or "all" (window, softcap and ALiBi)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
-
-    def make(n: int, h: int) -> torch.Tensor:
-        width = d if aligned else d + 1
-        x = torch.randn(2, n, h, width, generator=gen, device="cuda").to(dtype)
-        return x if aligned else x[..., 1:]
-
-    q, k, v, do = make(nq, 4), make(nk, 2), make(nk, 2), make(nq, 4)
-    options = {"causal": causal}
-    if mods:
-        options["window"] = (9, 4)
-    if mods == "all":
-        options["softcap"] = 5.0
-    if mods in ("alibi", "all"):
-        options["alibi_slopes"] = torch.rand(2, 4, generator=gen, device="cuda")
+    q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk))
+    options = mod_options(causal, mods, gen, (2, 4))
     o, lse, _ = testing.attention_forward_with(choice, q, k, v, **options)
     dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
     torch.cuda.synchronize()
@@ -110,22 +122,10 @@ def run_varlen(
     """A packed forward and backward; mods as run() ("alibi": slopes (Hq,), "all": (B, Hq));
     offsets "well-formed" or one of VARLEN_MALFORMED; trusted: max_seqlen given (no host copy)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
-
-    def make(n: int, h: int) -> torch.Tensor:
-        width = d if aligned else d + 1
-        x = torch.randn(n, h, width, generator=gen, device="cuda").to(dtype)
-        return x if aligned else x[..., 1:]
-
     tq, tk = sum(VARLEN_Q), sum(VARLEN_K)
-    q, k, v, do = make(tq, 4), make(tk, 2), make(tk, 2), make(tq, 4)
-    options = {"causal": causal}
-    if mods:
-        options["window"] = (9, 4)
-    if mods == "all":
-        options["softcap"] = 5.0
-    if mods in ("alibi", "all"):
-        shape = (len(VARLEN_Q), 4) if mods == "all" else (4,)
-        options["alibi_slopes"] = torch.rand(shape, generator=gen, device="cuda")
+    q, k, v, do = inputs(gen, dtype, d, aligned, (tq,), (tk,))
+    slopes_shape = (len(VARLEN_Q), 4) if mods == "all" else (4,)
+    options = mod_options(causal, mods, gen, slopes_shape)
     if trusted:
         too_long = offsets == "too long"
         options["max_seqlen_q"] = 16 if too_long else max(VARLEN_Q)

@@ -14,6 +14,7 @@ import pytest
 from gpu_records import record
 from hypothesis import given, note
 from hypothesis import strategies as st
+from strategies import score_options
 
 import cuflash
 from cuflash import testing
@@ -56,25 +57,6 @@ class Case:
         if self.layout == "bshd":
             return (self.batch, seq, heads, self.head_dim)
         return (self.batch, heads, seq, self.head_dim)
-
-
-# Window bounds: none, 0, 1, small, around the sequence lengths, wider than any sequence.
-WINDOW_BOUNDS = st.one_of(
-    st.none(), st.just(-1), st.sampled_from([0, 1, 2, 63, 64, 65]), st.integers(0, 3000)
-)
-
-
-@st.composite
-def score_options(draw) -> dict:
-    """The options of the masks issue, each drawn in about a third of the cases."""
-    options = {}
-    if draw(st.integers(0, 2)) == 0:
-        options["window"] = (draw(WINDOW_BOUNDS), draw(WINDOW_BOUNDS))
-    if draw(st.integers(0, 3)) == 0:
-        options["softcap"] = draw(st.floats(0.5, 50.0))
-    if draw(st.integers(0, 3)) == 0:
-        options["alibi"] = draw(st.sampled_from(["head", "batch"]))
-    return options
 
 
 @st.composite

@@ -24,7 +24,7 @@ import pytest
 from gpu_records import record
 from hypothesis import given, note
 from hypothesis import strategies as st
-from strategies import head_dims
+from strategies import head_dims, score_options
 
 import cuflash
 from cuflash import testing
@@ -303,10 +303,6 @@ EDGES = (15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 
 LENGTHS = st.one_of(
     st.sampled_from((0, 1)), st.integers(0, 8), st.sampled_from(EDGES), st.integers(0, 600)
 )
-# Window bounds (as test_kernels.py): none, 0, 1, small, around the lengths, wider than any.
-WINDOW_BOUNDS = st.one_of(
-    st.none(), st.just(-1), st.sampled_from([0, 1, 2, 63, 64, 65]), st.integers(0, 1000)
-)
 
 
 def fit_work(seq_q, seq_k, per_pair: int, budget: int, tied: bool):
@@ -336,13 +332,7 @@ def varlen_cases(draw, max_sequences: int = 16, max_work: int = 20_000_000) -> V
     heads_kv, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     head_dim = draw(head_dims(256))
     seq_q, seq_k = fit_work(seq_q, seq_k, heads_kv * group * head_dim, max_work, same)
-    options = {}
-    if draw(st.integers(0, 2)) == 0:
-        options["window"] = (draw(WINDOW_BOUNDS), draw(WINDOW_BOUNDS))
-    if draw(st.integers(0, 3)) == 0:
-        options["softcap"] = draw(st.floats(0.5, 50.0))
-    if draw(st.integers(0, 3)) == 0:
-        options["alibi"] = draw(st.sampled_from(["head", "batch"]))
+    options = draw(score_options(1000))
     return VarlenCase(
         seq_q,
         seq_k,
