@@ -4,6 +4,7 @@
     o, lse = cuflash.attention_forward(q, k, v, ...)
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, ...)
     o, lse = cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  # packed
+    o, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, ...)  # decoding
     o, lse = cuflash.combine(o_partials, lse_partials)  # merge results over disjoint key sets
 
 Inputs are any DLPack arrays (NumPy, CuPy, PyTorch, JAX); results come back in the caller's
@@ -19,6 +20,7 @@ from .api import (
     attention_varlen,
     attention_varlen_backward,
     attention_varlen_forward,
+    attention_with_kvcache,
     combine,
 )
 
@@ -30,6 +32,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "attention_with_kvcache",
     "combine",
     "reference",
     "__version__",

@@ -46,6 +46,21 @@ def sm_count(device_index: int) -> int:
     return count
 
 
+_max_smem: dict[int, int] = {}
+
+
+def max_shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one block may opt in to on GPU `device_index`."""
+    limit = _max_smem.get(device_index)
+    if limit is None:
+        import cupy
+
+        limit = _max_smem[device_index] = cupy.cuda.Device(device_index).attributes[
+            "MaxSharedMemoryPerBlockOptin"
+        ]
+    return limit
+
+
 def device_arch(device_index: int) -> str:
     """The kernel target of GPU `device_index` (sm_90a on Hopper, sm_80/86/89 otherwise)."""
     arch = _arch.get(device_index)

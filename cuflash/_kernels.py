@@ -377,7 +377,7 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     """Every instance the library's dispatch can launch on `arch` (cuflash/_dispatch.py): what
     the compile check must cover."""
-    specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES}
+    specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs()
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:
@@ -457,3 +457,80 @@ def kernel_arch(compute_capability: str) -> str:
 
 
 COMPILE_OPTIONS = ("--std=c++17",)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (kernels_cu/kvcache.cu): the append, split-KV decoding and its combine, and the packing
+# of the cache for the packed forward (chunked prefill, the exact dtypes).
+
+KVCACHE_SOURCE = "kvcache.cu"
+DECODE_ROWS = 16  # query rows of a decoding block (kernels_cu/kvcache.cu)
+DECODE_KEYS = 64  # keys of each of its key tiles
+DECODE_THREADS = 128
+# Decoding blocks per KV head and sequence: calls with more query rows (Nq * group) take the
+# packed forward kernels, whose query tiles reuse each key tile for many more rows.
+DECODE_MAX_ROWS = 64
+DECODE_FEATURE_SETS = tuple(range(8))  # LOCAL, SOFTCAP, ALIBI: no PACKED
+APPEND_THREADS = 256
+COMBINE_WARPS = 8
+GATHER_THREADS = 128
+_CPP_STORAGE = {
+    "float16": "unsigned short",
+    "bfloat16": "unsigned short",
+    "float32": "float",
+    "float64": "double",
+}
+
+
+def decode_stages(head_dim: int) -> int:
+    """Key/value stages of the decoding kernel: three up to d = 128, two above (shared memory)."""
+    return 3 if head_dim_bucket(head_dim) <= 128 else 2
+
+
+@cache
+def kvcache_instance(family: str, dtype: str, head_dim: int = 0, features: int = 0) -> KernelSpec:
+    """An instance of kernels_cu/kvcache.cu: family "append", "decode", "decode_combine",
+    "pack_offsets" or "gather"."""
+    if dtype not in DTYPES:
+        raise ValueError(f"no kernel for dtype {dtype!r}")
+    if family in ("append", "gather") and dtype == "bfloat16":
+        dtype = "float16"  # one instance per storage type: both move 16-bit words
+    storage = _CPP_STORAGE[dtype]
+
+    def spec(expr: str, threads: int, smem: int = 0, hd: int = 0, rows: int = 0, step: int = 0):
+        return KernelSpec(
+            family, "kvcache", dtype, hd, features, KVCACHE_SOURCE, expr, threads, smem, rows, step
+        )
+
+    if family == "append":
+        return spec(f"cuflash::kvcache_append<{storage}>", APPEND_THREADS)
+    if family == "gather":
+        return spec(f"cuflash::kvcache_gather<{storage}>", GATHER_THREADS)
+    if family == "pack_offsets":
+        return spec("cuflash::kvcache_pack_offsets", 32)
+    if dtype not in TENSOR_CORE_DTYPES:
+        raise ValueError(
+            f"no {family} kernel for dtype {dtype}: the exact dtypes take the packed path"
+        )
+    elem = _CPP_ELEM[dtype]
+    if family == "decode_combine":
+        return spec(f"cuflash::attention_decode_combine<{elem}>", COMBINE_WARPS * 32)
+    if family != "decode":
+        raise ValueError(f"no KV-cache kernel family {family!r}")
+    hd = head_dim_bucket(head_dim)
+    stages = decode_stages(hd)
+    smem = (DECODE_ROWS + 2 * stages * DECODE_KEYS) * (hd + 8) * 2
+    expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {features}>"
+    return spec(expr, DECODE_THREADS, smem, hd, DECODE_ROWS, DECODE_KEYS)
+
+
+def kvcache_specs() -> set[KernelSpec]:
+    """Every KV-cache instance the library can launch (the packed forward's are in all_specs)."""
+    specs = {kvcache_instance(f, dt) for f in ("append", "gather") for dt in DTYPES}
+    specs.add(kvcache_instance("pack_offsets", "float32"))
+    for dt in TENSOR_CORE_DTYPES:
+        specs.add(kvcache_instance("decode_combine", dt))
+        for hd in HEAD_DIM_BUCKETS:
+            for features in DECODE_FEATURE_SETS:
+                specs.add(kvcache_instance("decode", dt, hd, features))
+    return specs

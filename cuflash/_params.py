@@ -32,7 +32,23 @@ class TensorRef(ctypes.Structure):
     _fields_ = [("ptr", _ptr), ("batch", _i64), ("head", _i64), ("seq", _i64)]
 
 
-TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "delta", "alibi")
+TENSORS = (
+    "q",
+    "k",
+    "v",
+    "o",
+    "dout",
+    "dq",
+    "dk",
+    "dv",
+    "lse",
+    "delta",
+    "alibi",
+    "k_new",
+    "v_new",
+    "o_accum",
+    "lse_accum",
+)
 
 
 class Params(ctypes.Structure):
@@ -40,6 +56,7 @@ class Params(ctypes.Structure):
         ("cu_seqlens_q", _ptr),
         ("cu_seqlens_k", _ptr),
         ("seqused_k", _ptr),
+        ("block_table", _ptr),
         ("scale", _f64),
         ("softcap", _f64),
         ("batch", _i32),
@@ -59,8 +76,15 @@ class Params(ctypes.Structure):
         ("lanes_per_row", _i32),
         ("total_q", _i32),
         ("total_k", _i32),
+        ("page_size", _i32),
+        ("num_pages", _i32),
+        ("cache_len", _i32),
+        ("seq_new", _i32),
+        ("num_splits", _i32),
+        ("keys_per_split", _i32),
         ("num_work", _i64),
         ("rows", _i64),
+        ("block_table_stride", _i64),
     ]
 
 
@@ -97,7 +121,7 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
 
 def pointer_offset(name: str) -> int:
     """Where the pointer of `name` lies in Params: a TensorRef's ptr, or a plain pointer field
-    (cu_seqlens_q, cu_seqlens_k)."""
+    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)."""
     field = getattr(Params, name)
     if name in TENSORS:
         return field.offset + TensorRef.ptr.offset

@@ -327,3 +327,80 @@ def combine(o_partials: Array, lse_partials: Array, *, layout: str = "bshd") -> 
 
     bshd = _combine.check(o_partials, lse_partials, layout)
     return _combine.merge(o_partials, lse_partials, bshd)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+def attention_with_kvcache(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    cache_seqlens: Array | int | None = None,
+    *,
+    k_new: Array | None = None,
+    v_new: Array | None = None,
+    block_table: Array | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Array | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    check_inputs: bool = False,
+) -> tuple[Array, Array]:
+    """Attention of new queries over a key/value cache (decoding, chunked prefill), after writing
+    k_new / v_new into the cache in place (FlashAttention's ``flash_attn_with_kvcache``).
+
+    Args:
+        q: ``(B, Nq, Hq, d)``, float16, bfloat16, float32 or float64; Nq from 1 (decoding) up.
+        k_cache, v_cache: contiguous caches ``(B, Ncache, Hkv, d)``, or paged caches
+            ``(num_pages, page_size, Hkv, d)`` with ``block_table``; q's dtype and device,
+            ``Hq % Hkv == 0``. Sequence b's row r lives at ``[b, r]`` (contiguous) or on page
+            ``block_table[b, r // page_size]``, slot ``r % page_size`` (paged).
+        cache_seqlens: int32 ``(B,)`` (q's library and device) or an int: the rows in use of each
+            sequence's cache before the append; None: the whole cache (less the new rows).
+        k_new, v_new: ``(B, Nnew, Hkv, d)``, written in place at rows ``cache_seqlens[b] ..``
+            of the caches; the call then attends to ``cache_seqlens[b] + Nnew`` keys.
+        block_table: int32 ``(B, max_pages)`` page indices of each sequence (paged caches).
+        causal, window, softcap, alibi_slopes, scale: as attention_forward, per sequence: Nq
+            queries against its keys, aligned bottom-right (the last query sees the last key).
+        num_splits: how many parts the keys are split into on the GPU (merged with their lse);
+            None picks from the shapes alone, with no device-to-host copy (CUDA graphs).
+        check_inputs: read cache_seqlens and block_table to the host and raise ValueError for a
+            length beyond the capacity or a page outside the cache (always done on the CPU).
+            Without it, GPU calls trust them: bad values give unspecified results but never a
+            read or write outside the arrays.
+
+    Returns:
+        ``(o, lse)``: o like q; lse ``(B, Hq, Nq)`` float32 (float64 for float64 input): per
+        sequence what attention_forward returns over its keys. Arrays of q's library.
+
+    Raises:
+        TypeError, ValueError: as attention_forward, and for caches, lengths, new rows, block
+            tables or num_splits of the wrong shape, dtype, library or device.
+    """
+    from . import _kvcache
+
+    call = _kvcache.check(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        alibi_slopes,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+    )
+    if call.problem.device[0] == "cpu":
+        return _kvcache.cpu_forward(call)
+    from . import _kvcache_cuda
+
+    return _kvcache_cuda.forward(call, poison_outputs())

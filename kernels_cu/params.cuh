@@ -21,10 +21,15 @@ struct Params {
   TensorRef q, k, v, o, dout, dq, dk, dv;
   TensorRef lse, delta;  // one value per (batch, head, row): the seq stride steps the rows
   TensorRef alibi;       // ALiBi: float32 slopes, one per (batch, query head); seq stride unused
+  // KV cache (kvcache.cu): k and v are the caches, (batch or page, row or slot, head); k_new and
+  // v_new the rows appended to them; o_accum and lse_accum the split-KV partial results (float32),
+  // split s of sequence b at batch index s * batch + b.
+  TensorRef k_new, v_new, o_accum, lse_accum;
   // Per-sequence extents, for the features built on this core; null selects none.
   const int* cu_seqlens_q;  // packed sequences: row offsets of each sequence (batch + 1)
   const int* cu_seqlens_k;
-  const int* seqused_k;     // keys in use per sequence (a KV cache)
+  const int* seqused_k;     // KV cache: rows in use per sequence before the append, or null
+  const int* block_table;   // paged KV cache: (batch, max pages) page indices; null: contiguous
   double scale;             // S = scale * q . k
   double softcap;           // softcap c: S = c tanh(S / c) (the SOFTCAP feature, score_mod.cuh)
   int batch, heads_q, heads_kv, group;  // group = heads_q / heads_kv
@@ -40,8 +45,13 @@ struct Params {
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int lanes_per_row;  // preprocess: lanes that reduce one row
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
+  // KV cache: rows per page (paged), pages in the cache, rows in use of every sequence when
+  // seqused_k is null, rows appended (k_new), splits of the keys and keys per split (a multiple
+  // of the key tile). seq_k is the capacity: the most rows one sequence's cache can hold.
+  int page_size, num_pages, cache_len, seq_new, num_splits, keys_per_split;
   i64 num_work;       // persistent kernels: work items (row blocks of every head)
   i64 rows;           // preprocess: batch * heads_q * seq_q
+  i64 block_table_stride;  // paged KV cache: elements between two sequences' rows of the table
 };
 
 // Row 0 of head `head` of sequence `batch` of a tensor, as T: 64-bit offsets throughout.

@@ -1,0 +1,427 @@
+// kvcache.cu: attention over a key/value cache (cuflash.attention_with_kvcache).
+//
+// Decoding reads a long cache for a few query rows per sequence: the work is bound by memory
+// bandwidth, and one block per (sequence, head) would leave most multiprocessors idle. So:
+//   kvcache_append      writes k_new / v_new into the cache rows after each sequence's cache_seqlens
+//                       (through the block table when the cache is paged);
+//   attention_decode    split-KV ("flash decoding"): a block owns one KV head of one sequence, the
+//                       query rows of every query head of its group (the group packed into one
+//                       16-row tile, so the cache is read once per KV head, not once per query head)
+//                       and one split of the keys; its warps share the key tiles (each takes 16 keys
+//                       of every tile, with its own online softmax) and merge at the end. One split:
+//                       O and lse directly; several: float32 partials for
+//   attention_decode_combine, which merges them with their lse, as cuflash.combine does.
+// Longer query blocks (chunked prefill) and the exact dtypes take the packed forward kernels
+// instead: kvcache_pack_offsets and kvcache_gather lay each sequence's keys out as a packed batch.
+//
+// Who sees whom is the one rule of mask.cuh, per sequence: nq = seq_q query positions against the
+// sequence's nk keys in use (cache_seqlens + the appended rows), aligned bottom-right.
+// Row r of a block's tile is query position r / group of query head kv_head * group + r % group.
+#include "common.cuh"
+#include "mma.cuh"
+#include "params.cuh"
+#include "features.cuh"
+#include "softmax.cuh"
+#include "gemm.cuh"
+
+namespace cuflash {
+
+// Where the rows of one sequence's cache live. Contiguous caches (no block table): row r of
+// sequence b is row r of batch b. Paged: page block_table[b][r / page_size], slot r % page_size.
+// A row outside the capacity or on a page index outside [0, num_pages) is in no page: it is read
+// as zeros and never written, so untrusted lengths and tables cannot reach outside the cache.
+struct CacheRows {
+  const int* table;
+  i64 table_stride;
+  int page_size, num_pages, capacity;
+
+  static __device__ __forceinline__ CacheRows of(const Params& p) {
+    return CacheRows{p.block_table, p.block_table_stride, p.page_size, p.num_pages, p.seq_k};
+  }
+  // Element offset of (row r of sequence b, head) in a cache tensor; -1 when the row is in no page.
+  __device__ __forceinline__ i64 offset(const TensorRef& t, int b, i64 r, int head) const {
+    if (r < 0 || r >= capacity) return -1;
+    i64 page = b, slot = r;
+    if (table != nullptr) {
+      const int index = static_cast<int>(r / page_size);
+      page = table[b * table_stride + index];
+      slot = r - static_cast<i64>(index) * page_size;
+      if (page < 0 || page >= num_pages) return -1;
+    }
+    return page * t.batch + slot * t.seq + static_cast<i64>(head) * t.head;
+  }
+};
+
+// Rows of sequence b's cache in use before the append (seqused_k, or cache_len for all).
+__device__ __forceinline__ i64 cache_rows_before(const Params& p, int b) {
+  return p.seqused_k != nullptr ? p.seqused_k[b] : p.cache_len;
+}
+
+// Keys sequence b attends to: its rows before the append and the appended ones, clamped to the
+// capacity (untrusted lengths).
+__device__ __forceinline__ int cache_keys(const Params& p, int b) {
+  const i64 used = cache_rows_before(p, b) + p.seq_new;
+  return static_cast<int>(min(max(used, i64(0)), static_cast<i64>(p.seq_k)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Append: element (b, j, h, c) of k_new / v_new goes to row cache_rows_before(b) + j.
+
+constexpr int APPEND_THREADS = 256;
+
+template <typename S>
+__global__ void __launch_bounds__(APPEND_THREADS) kvcache_append(const __grid_constant__ Params p) {
+  const CacheRows cache = CacheRows::of(p);
+  const int d = p.head_dim;
+  const i64 total = static_cast<i64>(p.batch) * p.seq_new * p.heads_kv * d;
+  const i64 step = static_cast<i64>(gridDim.x) * APPEND_THREADS;
+  for (i64 idx = static_cast<i64>(blockIdx.x) * APPEND_THREADS + threadIdx.x; idx < total; idx += step) {
+    const int c = static_cast<int>(idx % d);
+    i64 rest = idx / d;
+    const int h = static_cast<int>(rest % p.heads_kv);
+    rest /= p.heads_kv;
+    const int j = static_cast<int>(rest % p.seq_new);
+    const int b = static_cast<int>(rest / p.seq_new);
+    const i64 row = cache_rows_before(p, b) + j;
+    const i64 k_at = cache.offset(p.k, b, row, h), v_at = cache.offset(p.v, b, row, h);
+    const S* k_src = head_rows<const S>(p.k_new, b, h).row(j);
+    const S* v_src = head_rows<const S>(p.v_new, b, h).row(j);
+    if (k_at >= 0) static_cast<S*>(p.k.ptr)[k_at + c] = k_src[c];
+    if (v_at >= 0) static_cast<S*>(p.v.ptr)[v_at + c] = v_src[c];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-KV decoding on the tensor cores (float16 / bfloat16).
+
+constexpr int DECODE_ROWS = 16;  // query rows of a block: one m16 tile
+constexpr int DECODE_WARPS = 4;
+constexpr int DECODE_WARP_KEYS = 16;  // keys of each key tile a warp takes
+constexpr int DECODE_BN = DECODE_WARPS * DECODE_WARP_KEYS;
+
+// A block's rows: tile row r is query position r / group of query head kv_head * group + r % group.
+struct DecodeRows {
+  int r0, rows, group, kv_head;  // first tile row, rows of the call (seq_q * group)
+  __device__ __forceinline__ bool real(int r) const { return r0 + r < rows; }
+  __device__ __forceinline__ int position(int r) const { return (r0 + r) / group; }
+  __device__ __forceinline__ int head(int r) const { return kv_head * group + (r0 + r) % group; }
+};
+
+// Loads rows of HD elements into a shared tile of pitch PITCH: row r from `src(r)` (a pointer,
+// or null for a row of zeros); columns >= d are zeros. `vec`: 16-byte copies (cp.async).
+template <int HD, int PITCH, typename RowSource>
+__device__ __forceinline__ void load_rows(unsigned short* smem, int rows, int first_thread, int threads,
+                                          const RowSource& src, int d, bool vec) {
+  const int tid = threadIdx.x - first_thread;
+  if (tid < 0 || tid >= threads) return;
+  if (vec) {
+    constexpr int CPR = HD / 8;  // 16-byte chunks of a row
+    for (int idx = tid; idx < rows * CPR; idx += threads) {
+      const int r = idx / CPR, c = (idx % CPR) * 8;
+      const unsigned short* row = src(r);
+      const bool valid = row != nullptr && c < d;
+      cp_async_16(smem_addr(smem + r * PITCH + c), valid ? row + c : src.base, valid);
+    }
+    return;
+  }
+  for (int idx = tid; idx < rows * HD; idx += threads) {
+    const int r = idx / HD, c = idx % HD;
+    const unsigned short* row = src(r);
+    smem[r * PITCH + c] = (row != nullptr && c < d) ? row[c] : static_cast<unsigned short>(0);
+  }
+}
+
+// The query rows of a block.
+struct QuerySource {
+  const unsigned short* base;
+  const Params* p;
+  DecodeRows rows;
+  int batch;
+  __device__ __forceinline__ const unsigned short* operator()(int r) const {
+    if (!rows.real(r)) return nullptr;
+    return head_ptr<const unsigned short>(p->q, batch, rows.head(r)) +
+           static_cast<i64>(rows.position(r)) * p->q.seq;
+  }
+};
+
+// Key rows n0 .. n0 + BN of one sequence's cache (rows >= end read as zeros).
+struct CacheSource {
+  const unsigned short* base;
+  const TensorRef* t;
+  CacheRows cache;
+  int batch, head, n0, end;
+  __device__ __forceinline__ const unsigned short* operator()(int r) const {
+    if (n0 + r >= end) return nullptr;
+    const i64 at = cache.offset(*t, batch, n0 + r, head);
+    return at < 0 ? nullptr : base + at;
+  }
+};
+
+template <typename Elem, int HD, int STAGES, int FEATURES>
+struct DecodeTraits {
+  static constexpr int PITCH = HD + 8;  // +16 bytes a row: conflict-free ldmatrix
+  static constexpr int NT_O = HD / 8;
+  static constexpr int K_QK = HD / 16;
+  static constexpr int THREADS = DECODE_WARPS * 32;
+  typedef typename Features<FEATURES>::Mask Mask;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
+  // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages)
+  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2;
+  static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * DECODE_BN * PITCH * 2,
+                "the warps' partial outputs fit where the key and value tiles were");
+};
+
+template <typename Elem, int HD, int STAGES, int FEATURES>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    attention_decode(const __grid_constant__ Params p) {
+  typedef DecodeTraits<Elem, HD, STAGES, FEATURES> Tr;
+  constexpr int PITCH = Tr::PITCH, NT_O = Tr::NT_O, BN = DECODE_BN;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
+  unsigned short* sK = sQ + DECODE_ROWS * PITCH;      // STAGES tiles of BN rows
+  unsigned short* sV = sK + STAGES * BN * PITCH;
+
+  // block -> (split, row tile, KV head, sequence), splits of one head adjacent
+  i64 bid = blockIdx.x;
+  const int split = static_cast<int>(bid % p.num_splits);
+  bid /= p.num_splits;
+  const int tile = static_cast<int>(bid % p.num_blocks);
+  bid /= p.num_blocks;
+  const int kv_head = static_cast<int>(bid % p.heads_kv);
+  const int b = static_cast<int>(bid / p.heads_kv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int d = p.head_dim;
+  const bool vec = p.vec != 0;
+
+  DecodeRows rows{tile * DECODE_ROWS, p.seq_q * p.group, p.group, kv_head};
+  const int nk = cache_keys(p, b);
+  const typename Tr::Mask mask{p.seq_q, nk, p.window_left, p.window_right};
+  const CacheRows cache = CacheRows::of(p);
+
+  // The keys some row of the block sees, within this split.
+  const int last_r = min(DECODE_ROWS, rows.rows - rows.r0) - 1;
+  const int split0 = split * p.keys_per_split;
+  const int key_begin = max(mask.keys_of(rows.position(0)).first, split0);
+  const int key_end = min(mask.keys_of(rows.position(last_r)).last + 1, split0 + p.keys_per_split);
+  const int tile0 = key_begin / BN;
+  const int tiles = key_begin < key_end ? ceil_div(key_end, BN) - tile0 : 0;
+
+  const QuerySource q_src{static_cast<const unsigned short*>(p.q.ptr), &p, rows, b};
+  const unsigned short* k_base = static_cast<const unsigned short*>(p.k.ptr);
+  const unsigned short* v_base = static_cast<const unsigned short*>(p.v.ptr);
+  // K and V of key tile t into stage `stage`: half the threads copy K, half V.
+  auto load_kv = [&](int t, int stage) {
+    const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_end};
+    const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_end};
+    load_rows<HD, PITCH>(sK + stage * BN * PITCH, BN, 0, Tr::THREADS / 2, ks, d, vec);
+    load_rows<HD, PITCH>(sV + stage * BN * PITCH, BN, Tr::THREADS / 2, Tr::THREADS / 2, vs, d, vec);
+  };
+  load_rows<HD, PITCH>(sQ, DECODE_ROWS, 0, Tr::THREADS, q_src, d, vec);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < tiles) load_kv(tile0 + s, s);
+    cp_async_commit();
+  }
+
+  // This lane's accumulator rows g and g + 8: their query positions and score modifiers.
+  const int g = lane >> 2, t4 = lane & 3;
+  const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  const float unit = static_cast<float>(p.scale);
+  const Extents<true> ext{p.seq_q, nk};
+  int pos[2];
+  typename Tr::ScoreMod mod[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    pos[h] = rows.real(r) ? rows.position(r) : rows.position(0);
+    mod[h] = Tr::ScoreMod::of(p, b, rows.real(r) ? rows.head(r) : rows.head(0), unit, ext);
+  }
+
+  float acc_o[1][NT_O][4];
+  fill(acc_o, 0.f);
+  OnlineSoftmax<1> softmax;
+  softmax.init(p.p_shift);
+
+  for (int it = 0; it < tiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile it has landed; every warp is done with the stage loaded next
+    if (it + STAGES - 1 < tiles) load_kv(tile0 + it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    cp_async_commit();
+    const int stage = it % STAGES;
+    const unsigned short* sKw = sK + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
+    const unsigned short* sVw = sV + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
+    const int n0 = (tile0 + it) * BN + warp * DECODE_WARP_KEYS;
+
+    float s[1][2][4];
+    fill(s, 0.f);
+    gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
+        float x = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
+        // the band of mask.cuh; keys outside the split or past the keys in use are hidden too
+        if (j < key_begin || j >= key_end || !mask.visible(pos[h], j)) x = -inf_f32();
+        s[0][nt][e] = x;
+      }
+    softmax.update(s, acc_o, scale_log2);
+    gemm_pb<Elem, 1, NT_O, 1, PITCH>(acc_o, s, sVw, lane);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the tiles: the stages hold the merge from here
+
+  // Merge the warps' online softmaxes: each publishes its rows' max and sum, then its output
+  // rescaled to the common max and divided by the common sum; the block adds them in warp order.
+  float* s_max = reinterpret_cast<float*>(sK);          // [warp][row]
+  float* s_sum = s_max + DECODE_WARPS * DECODE_ROWS;    // [warp][row]
+  float* s_out = s_sum + DECODE_WARPS * DECODE_ROWS;    // [warp][row][HD]
+  float row_sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row_sum[h] = quad_sum(softmax.row_sum[0][h]);
+  if (t4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s_max[warp * DECODE_ROWS + g + 8 * h] = softmax.row_max[0][h];
+      s_sum[warp * DECODE_ROWS + g + 8 * h] = row_sum[h];
+    }
+  }
+  __syncthreads();
+  float lse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    float m = -inf_f32();
+    for (int w = 0; w < DECODE_WARPS; ++w) m = fmaxf(m, s_max[w * DECODE_ROWS + r]);
+    const float m_scaled = m == -inf_f32() ? 0.f : m * scale_log2;
+    float total = 0.f;
+    for (int w = 0; w < DECODE_WARPS; ++w)
+      total += s_sum[w * DECODE_ROWS + r] * fast_exp2(s_max[w * DECODE_ROWS + r] * scale_log2 - m_scaled);
+    const float mine = fast_exp2(softmax.row_max[0][h] * scale_log2 - m_scaled);
+    const float factor = total > 0.f ? mine / total : 0.f;
+    lse[h] = total > 0.f ? (m_scaled + log2f(total) + softmax.shift) * 0.6931471805599453f : -inf_f32();
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+      float* out = s_out + (warp * DECODE_ROWS + r) * HD + nt * 8 + 2 * t4;
+      out[0] = acc_o[0][nt][2 * h] * factor;
+      out[1] = acc_o[0][nt][2 * h + 1] * factor;
+    }
+  }
+  __syncthreads();
+
+  // Store: one split gives O (Elem) and lse; several give float32 partials for the combine.
+  const bool partial = p.num_splits > 1;
+  for (int idx = threadIdx.x; idx < DECODE_ROWS * HD; idx += Tr::THREADS) {
+    const int r = idx / HD, c = idx % HD;
+    if (!rows.real(r) || c >= d) continue;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) o += s_out[(w * DECODE_ROWS + r) * HD + c];
+    const i64 row = rows.position(r);
+    if (partial) {
+      head_ptr<float>(p.o_accum, split * p.batch + b, rows.head(r))[row * p.o_accum.seq + c] = o;
+    } else {
+      head_ptr<unsigned short>(p.o, b, rows.head(r))[row * p.o.seq + c] = ElemTraits<Elem>::from_acc(o);
+    }
+  }
+  if (t4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = g + 8 * h;
+      if (!rows.real(r)) continue;
+      const i64 row = rows.position(r);
+      if (partial) head_ptr<float>(p.lse_accum, split * p.batch + b, rows.head(r))[row * p.lse_accum.seq] = lse[h];
+      else head_ptr<float>(p.lse, b, rows.head(r))[row * p.lse.seq] = lse[h];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: one warp per (sequence, query head, position) merges the splits' partial results:
+// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s (float32), as cuflash.combine does.
+// A row no split saw (every lse_s = -inf) gives o = 0 and lse = -inf.
+
+constexpr int COMBINE_WARPS = 8;
+
+template <typename Elem>
+__global__ void __launch_bounds__(COMBINE_WARPS * 32)
+    attention_decode_combine(const __grid_constant__ Params p) {
+  const i64 row_id = static_cast<i64>(blockIdx.x) * COMBINE_WARPS + (threadIdx.x >> 5);
+  if (row_id >= p.rows) return;
+  const int lane = threadIdx.x & 31;
+  const int i = static_cast<int>(row_id % p.seq_q);
+  const i64 bh = row_id / p.seq_q;
+  const int head = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
+  const int splits = p.num_splits;
+  auto lse_of = [&](int s) {
+    return head_ptr<const float>(p.lse_accum, s * p.batch + b, head)[static_cast<i64>(i) * p.lse_accum.seq];
+  };
+  float m = -inf_f32();
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_of(s));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  float total = 0.f;
+  if (m != -inf_f32()) {
+    for (int s = lane; s < splits; s += 32) total += expf(lse_of(s) - m);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  }
+  const float lse = total > 0.f ? m + logf(total) : -inf_f32();
+  typedef typename ElemTraits<Elem>::storage Storage;
+  Storage* o_row = head_ptr<Storage>(p.o, b, head) + static_cast<i64>(i) * p.o.seq;
+  for (int c = lane; c < p.head_dim; c += 32) {
+    float o = 0.f;
+    if (total > 0.f) {
+      for (int s = 0; s < splits; ++s) {
+        const float w = expf(lse_of(s) - lse);
+        if (w > 0.f)  // a split that saw no key left its o unwritten
+          o += w * head_ptr<const float>(p.o_accum, s * p.batch + b, head)[static_cast<i64>(i) * p.o_accum.seq + c];
+      }
+    }
+    o_row[c] = ElemTraits<Elem>::from_acc(o);
+  }
+  if (lane == 0) head_ptr<float>(p.lse, b, head)[static_cast<i64>(i) * p.lse.seq] = lse;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunked prefill and the exact dtypes: each sequence's keys in use laid out as a packed batch
+// for the packed forward kernels. cu_seqlens_q / cu_seqlens_k (written here): sequence b's query
+// rows b * seq_q .., its keys after those of the sequences before it.
+
+__global__ void kvcache_pack_offsets(const __grid_constant__ Params p) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int* cu_q = const_cast<int*>(p.cu_seqlens_q);
+  int* cu_k = const_cast<int*>(p.cu_seqlens_k);
+  int keys = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    cu_q[b] = b * p.seq_q;
+    cu_k[b] = keys;
+    keys += cache_keys(p, b);
+  }
+  cu_q[p.batch] = p.batch * p.seq_q;
+  cu_k[p.batch] = keys;
+}
+
+constexpr int GATHER_THREADS = 128;
+
+// One block per (sequence, key row): the row of every KV head into the packed k_new / v_new
+// (here the gathered keys, (total rows, heads_kv, d)); rows of no page are zeros.
+template <typename S>
+__global__ void __launch_bounds__(GATHER_THREADS) kvcache_gather(const __grid_constant__ Params p) {
+  const i64 bid = blockIdx.x;
+  const int b = static_cast<int>(bid / p.seq_k), r = static_cast<int>(bid % p.seq_k);
+  if (r >= cache_keys(p, b)) return;
+  const CacheRows cache = CacheRows::of(p);
+  const i64 dst_row = p.cu_seqlens_k[b] + r;
+  const int d = p.head_dim;
+  for (int idx = threadIdx.x; idx < p.heads_kv * d; idx += GATHER_THREADS) {
+    const int h = idx / d, c = idx % d;
+    const i64 k_at = cache.offset(p.k, b, r, h), v_at = cache.offset(p.v, b, r, h);
+    S* k_dst = head_ptr<S>(p.k_new, 0, h) + dst_row * p.k_new.seq;
+    S* v_dst = head_ptr<S>(p.v_new, 0, h) + dst_row * p.v_new.seq;
+    k_dst[c] = k_at >= 0 ? static_cast<const S*>(p.k.ptr)[k_at + c] : S(0);
+    v_dst[c] = v_at >= 0 ? static_cast<const S*>(p.v.ptr)[v_at + c] : S(0);
+  }
+}
+
+}  // namespace cuflash
