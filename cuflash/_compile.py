@@ -61,6 +61,13 @@ def max_shared_memory(device_index: int) -> int:
     return limit
 
 
+def shared_memory_per_sm(device_index: int) -> int:
+    """Bytes of shared memory of one multiprocessor of GPU `device_index`."""
+    import cupy
+
+    return cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
 def device_arch(device_index: int) -> str:
     """The kernel target of GPU `device_index` (sm_90a on Hopper, sm_80/86/89 otherwise)."""
     arch = _arch.get(device_index)

@@ -470,6 +470,7 @@ DECODE_THREADS = 128
 # Decoding blocks per KV head and sequence: calls with more query rows (Nq * group) take the
 # packed forward kernels, whose query tiles reuse each key tile for many more rows.
 DECODE_MAX_ROWS = 64
+DECODE_MAX_SPLITS = 128  # the combine's block reads one split per thread (COMBINE_MAX_SPLITS)
 DECODE_FEATURE_SETS = tuple(range(8))  # LOCAL, SOFTCAP, ALIBI: no PACKED
 APPEND_THREADS = 256
 COMBINE_WARPS = 8
@@ -513,13 +514,14 @@ def kvcache_instance(family: str, dtype: str, head_dim: int = 0, features: int =
             f"no {family} kernel for dtype {dtype}: the exact dtypes take the packed path"
         )
     elem = _CPP_ELEM[dtype]
-    if family == "decode_combine":
-        return spec(f"cuflash::attention_decode_combine<{elem}>", COMBINE_WARPS * 32)
+    hd = head_dim_bucket(head_dim)
+    if family == "decode_combine":  # a block per row
+        expr = f"cuflash::attention_decode_combine<{elem}, {hd}>"
+        return spec(expr, COMBINE_WARPS * 32, 0, hd, 1)
     if family != "decode":
         raise ValueError(f"no KV-cache kernel family {family!r}")
-    hd = head_dim_bucket(head_dim)
     stages = decode_stages(hd)
-    smem = (DECODE_ROWS + 2 * stages * DECODE_KEYS) * (hd + 8) * 2
+    smem = (DECODE_ROWS + 2 * stages * DECODE_KEYS) * (hd + 8) * 2 + 2 * 2 * DECODE_KEYS * 8
     expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {features}>"
     return spec(expr, DECODE_THREADS, smem, hd, DECODE_ROWS, DECODE_KEYS)
 
@@ -529,8 +531,8 @@ def kvcache_specs() -> set[KernelSpec]:
     specs = {kvcache_instance(f, dt) for f in ("append", "gather") for dt in DTYPES}
     specs.add(kvcache_instance("pack_offsets", "float32"))
     for dt in TENSOR_CORE_DTYPES:
-        specs.add(kvcache_instance("decode_combine", dt))
         for hd in HEAD_DIM_BUCKETS:
+            specs.add(kvcache_instance("decode_combine", dt, hd))
             for features in DECODE_FEATURE_SETS:
                 specs.add(kvcache_instance("decode", dt, hd, features))
     return specs

@@ -38,16 +38,23 @@ struct CacheRows {
   static __device__ __forceinline__ CacheRows of(const Params& p) {
     return CacheRows{p.block_table, p.block_table_stride, p.page_size, p.num_pages, p.seq_k};
   }
-  // Element offset of (row r of sequence b, head) in a cache tensor; -1 when the row is in no page.
-  __device__ __forceinline__ i64 offset(const TensorRef& t, int b, i64 r, int head) const {
-    if (r < 0 || r >= capacity) return -1;
-    i64 page = b, slot = r;
+  // (page, slot) of row r of sequence b; false when the row is in no page.
+  __device__ __forceinline__ bool locate(int b, i64 r, i64& page, i64& slot) const {
+    if (r < 0 || r >= capacity) return false;
+    page = b;
+    slot = r;
     if (table != nullptr) {
       const int index = static_cast<int>(r / page_size);
       page = table[b * table_stride + index];
       slot = r - static_cast<i64>(index) * page_size;
-      if (page < 0 || page >= num_pages) return -1;
+      if (page < 0 || page >= num_pages) return false;
     }
+    return true;
+  }
+  // Element offset of (row r of sequence b, head) in a cache tensor; -1 when the row is in no page.
+  __device__ __forceinline__ i64 offset(const TensorRef& t, int b, i64 r, int head) const {
+    i64 page, slot;
+    if (!locate(b, r, page, slot)) return -1;
     return page * t.batch + slot * t.seq + static_cast<i64>(head) * t.head;
   }
 };
@@ -107,16 +114,17 @@ struct DecodeRows {
   __device__ __forceinline__ int head(int r) const { return kv_head * group + (r0 + r) % group; }
 };
 
-// Loads rows of HD elements into a shared tile of pitch PITCH: row r from `src(r)` (a pointer,
-// or null for a row of zeros); columns >= d are zeros. `vec`: 16-byte copies (cp.async).
-template <int HD, int PITCH, typename RowSource>
-__device__ __forceinline__ void load_rows(unsigned short* smem, int rows, int first_thread, int threads,
-                                          const RowSource& src, int d, bool vec) {
-  const int tid = threadIdx.x - first_thread;
-  if (tid < 0 || tid >= threads) return;
+// Loads ROWS rows of HD elements into a shared tile of pitch PITCH, with THREADS threads from
+// thread FIRST on: row r from `src(r)` (a pointer, or null for a row of zeros); columns >= d are
+// zeros. `vec`: 16-byte copies (cp.async).
+template <int ROWS, int HD, int PITCH, int FIRST, int THREADS, typename RowSource>
+__device__ __forceinline__ void load_rows(unsigned short* smem, const RowSource& src, int d, bool vec) {
+  const int tid = static_cast<int>(threadIdx.x) - FIRST;
+  if (tid < 0 || tid >= THREADS) return;
   if (vec) {
     constexpr int CPR = HD / 8;  // 16-byte chunks of a row
-    for (int idx = tid; idx < rows * CPR; idx += threads) {
+#pragma unroll 4
+    for (int idx = tid; idx < ROWS * CPR; idx += THREADS) {
       const int r = idx / CPR, c = (idx % CPR) * 8;
       const unsigned short* row = src(r);
       const bool valid = row != nullptr && c < d;
@@ -124,7 +132,7 @@ __device__ __forceinline__ void load_rows(unsigned short* smem, int rows, int fi
     }
     return;
   }
-  for (int idx = tid; idx < rows * HD; idx += threads) {
+  for (int idx = tid; idx < ROWS * HD; idx += THREADS) {
     const int r = idx / HD, c = idx % HD;
     const unsigned short* row = src(r);
     smem[r * PITCH + c] = (row != nullptr && c < d) ? row[c] : static_cast<unsigned short>(0);
@@ -157,6 +165,16 @@ struct CacheSource {
   }
 };
 
+// Key rows of a tile whose element offsets were looked up ahead into shared memory (-1: no row).
+struct OffsetSource {
+  const unsigned short* base;
+  const i64* offsets;
+  __device__ __forceinline__ const unsigned short* operator()(int r) const {
+    const i64 at = offsets[r];
+    return at < 0 ? nullptr : base + at;
+  }
+};
+
 template <typename Elem, int HD, int STAGES, int FEATURES>
 struct DecodeTraits {
   static constexpr int PITCH = HD + 8;  // +16 bytes a row: conflict-free ldmatrix
@@ -165,8 +183,9 @@ struct DecodeTraits {
   static constexpr int THREADS = DECODE_WARPS * 32;
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
-  // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages)
-  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2;
+  // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages), then the
+  // K and V row offsets of two key tiles
+  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2 + 2 * 2 * DECODE_BN * 8;
   static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * DECODE_BN * PITCH * 2,
                 "the warps' partial outputs fit where the key and value tiles were");
 };
@@ -180,15 +199,17 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
   unsigned short* sK = sQ + DECODE_ROWS * PITCH;      // STAGES tiles of BN rows
   unsigned short* sV = sK + STAGES * BN * PITCH;
+  i64* s_offsets = reinterpret_cast<i64*>(sV + STAGES * BN * PITCH);  // [buffer][K, V][BN]
 
-  // block -> (split, row tile, KV head, sequence), splits of one head adjacent
+  // block -> (KV head, split, row tile, sequence), KV heads adjacent: the blocks that run
+  // together read the same cache rows' heads, whole rows of a (B, N, Hkv, d) cache between them.
   i64 bid = blockIdx.x;
+  const int kv_head = static_cast<int>(bid % p.heads_kv);
+  bid /= p.heads_kv;
   const int split = static_cast<int>(bid % p.num_splits);
   bid /= p.num_splits;
   const int tile = static_cast<int>(bid % p.num_blocks);
-  bid /= p.num_blocks;
-  const int kv_head = static_cast<int>(bid % p.heads_kv);
-  const int b = static_cast<int>(bid / p.heads_kv);
+  const int b = static_cast<int>(bid / p.num_blocks);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int d = p.head_dim;
   const bool vec = p.vec != 0;
@@ -209,19 +230,39 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   const QuerySource q_src{static_cast<const unsigned short*>(p.q.ptr), &p, rows, b};
   const unsigned short* k_base = static_cast<const unsigned short*>(p.k.ptr);
   const unsigned short* v_base = static_cast<const unsigned short*>(p.v.ptr);
-  // K and V of key tile t into stage `stage`: half the threads copy K, half V.
-  auto load_kv = [&](int t, int stage) {
+  // K and V of key tile t into stage `stage`: half the threads copy K, half V. The prologue's
+  // tiles look their rows up as they copy; later tiles read offsets looked up one iteration ahead
+  // (`lookup`), so that no copy waits on a block table read.
+  constexpr int HALF = Tr::THREADS / 2;
+  auto load_kv_direct = [&](int t, int stage) {
     const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_end};
     const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_end};
-    load_rows<HD, PITCH>(sK + stage * BN * PITCH, BN, 0, Tr::THREADS / 2, ks, d, vec);
-    load_rows<HD, PITCH>(sV + stage * BN * PITCH, BN, Tr::THREADS / 2, Tr::THREADS / 2, vs, d, vec);
+    load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
+    load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
   };
-  load_rows<HD, PITCH>(sQ, DECODE_ROWS, 0, Tr::THREADS, q_src, d, vec);
+  auto load_kv = [&](int t, int stage) {
+    const i64* offsets = s_offsets + (t & 1) * 2 * BN;
+    load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, OffsetSource{k_base, offsets}, d, vec);
+    load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, OffsetSource{v_base, offsets + BN}, d,
+                                         vec);
+  };
+  auto lookup = [&](int t) {
+    if (threadIdx.x < BN) {
+      const int n = t * BN + threadIdx.x;
+      i64 page = 0, slot = 0;
+      const bool in_cache = n < key_end && cache.locate(b, n, page, slot);
+      i64* offsets = s_offsets + (t & 1) * 2 * BN;
+      offsets[threadIdx.x] = in_cache ? page * p.k.batch + slot * p.k.seq + kv_head * p.k.head : -1;
+      offsets[BN + threadIdx.x] = in_cache ? page * p.v.batch + slot * p.v.seq + kv_head * p.v.head : -1;
+    }
+  };
+  load_rows<DECODE_ROWS, HD, PITCH, 0, Tr::THREADS>(sQ, q_src, d, vec);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < tiles) load_kv(tile0 + s, s);
+    if (s < tiles) load_kv_direct(tile0 + s, s);
     cp_async_commit();
   }
+  if (STAGES - 1 < tiles) lookup(tile0 + STAGES - 1);
 
   // This lane's accumulator rows g and g + 8: their query positions and score modifiers.
   const int g = lane >> 2, t4 = lane & 3;
@@ -247,6 +288,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     __syncthreads();  // tile it has landed; every warp is done with the stage loaded next
     if (it + STAGES - 1 < tiles) load_kv(tile0 + it + STAGES - 1, (it + STAGES - 1) % STAGES);
     cp_async_commit();
+    if (it + STAGES < tiles) lookup(tile0 + it + STAGES);  // read after the next iteration's sync
     const int stage = it % STAGES;
     const unsigned short* sKw = sK + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
     const unsigned short* sVw = sV + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
@@ -337,50 +379,92 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one warp per (sequence, query head, position) merges the splits' partial results:
+// Combine: one block per (sequence, query head, position) merges the splits' partial results:
 // lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s (float32), as cuflash.combine does.
-// A row no split saw (every lse_s = -inf) gives o = 0 and lse = -inf.
+// A row no split saw (every lse_s = -inf) gives o = 0 and lse = -inf. The splits' rows of o are
+// few and short, so the block reads them all at once: warp w takes splits w, w + 8, ..., each lane
+// four columns at a time (o_accum rows are padded to whole float4s); the warps' sums are then
+// added in warp order (the same bits every run).
 
 constexpr int COMBINE_WARPS = 8;
+constexpr int COMBINE_MAX_SPLITS = 128;  // the host's cap on num_splits
 
-template <typename Elem>
+template <typename Elem, int HD>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32)
     attention_decode_combine(const __grid_constant__ Params p) {
-  const i64 row_id = static_cast<i64>(blockIdx.x) * COMBINE_WARPS + (threadIdx.x >> 5);
-  if (row_id >= p.rows) return;
-  const int lane = threadIdx.x & 31;
+  constexpr int VECS = (HD + 127) / 128;  // float4s of a lane
+  __shared__ float s_weight[COMBINE_MAX_SPLITS];
+  __shared__ float s_reduce[2][COMBINE_WARPS];
+  __shared__ __align__(16) float s_sum[COMBINE_WARPS][HD];
+  const i64 row_id = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int i = static_cast<int>(row_id % p.seq_q);
   const i64 bh = row_id / p.seq_q;
   const int head = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
   const int splits = p.num_splits;
-  auto lse_of = [&](int s) {
-    return head_ptr<const float>(p.lse_accum, s * p.batch + b, head)[static_cast<i64>(i) * p.lse_accum.seq];
-  };
-  float m = -inf_f32();
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_of(s));
+
+  // lse over the splits: thread s reads split s's
+  const float lse_s = threadIdx.x < splits
+                          ? head_ptr<const float>(p.lse_accum, threadIdx.x * p.batch + b, head)
+                                [static_cast<i64>(i) * p.lse_accum.seq]
+                          : -inf_f32();
+  float m = lse_s;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  float total = 0.f;
-  if (m != -inf_f32()) {
-    for (int s = lane; s < splits; s += 32) total += expf(lse_of(s) - m);
+  if (lane == 0) s_reduce[0][warp] = m;
+  __syncthreads();
+  m = s_reduce[0][0];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  }
+  for (int w = 1; w < COMBINE_WARPS; ++w) m = fmaxf(m, s_reduce[0][w]);
+  float e = m == -inf_f32() ? 0.f : expf(lse_s - m);
+  float total = e;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  if (lane == 0) s_reduce[1][warp] = total;
+  __syncthreads();
+  total = 0.f;
+#pragma unroll
+  for (int w = 0; w < COMBINE_WARPS; ++w) total += s_reduce[1][w];
   const float lse = total > 0.f ? m + logf(total) : -inf_f32();
-  typedef typename ElemTraits<Elem>::storage Storage;
-  Storage* o_row = head_ptr<Storage>(p.o, b, head) + static_cast<i64>(i) * p.o.seq;
-  for (int c = lane; c < p.head_dim; c += 32) {
-    float o = 0.f;
-    if (total > 0.f) {
-      for (int s = 0; s < splits; ++s) {
-        const float w = expf(lse_of(s) - lse);
-        if (w > 0.f)  // a split that saw no key left its o unwritten
-          o += w * head_ptr<const float>(p.o_accum, s * p.batch + b, head)[static_cast<i64>(i) * p.o_accum.seq + c];
+  if (threadIdx.x < COMBINE_MAX_SPLITS) s_weight[threadIdx.x] = total > 0.f ? e / total : 0.f;
+  __syncthreads();
+
+  float4 acc[VECS];
+#pragma unroll
+  for (int v = 0; v < VECS; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int d = p.head_dim;
+#pragma unroll 4
+  for (int s = warp; s < splits; s += COMBINE_WARPS) {
+    const float w = s_weight[s];  // 0 for a split that saw no key (its o is 0)
+    const float* part = head_ptr<const float>(p.o_accum, s * p.batch + b, head) +
+                        static_cast<i64>(i) * p.o_accum.seq;
+#pragma unroll
+    for (int v = 0; v < VECS; ++v) {
+      const int c = 4 * (lane + 32 * v);
+      if (c < d) {
+        const float4 x = *reinterpret_cast<const float4*>(part + c);
+        acc[v].x += w * x.x;
+        acc[v].y += w * x.y;
+        acc[v].z += w * x.z;
+        acc[v].w += w * x.w;
       }
     }
+  }
+#pragma unroll
+  for (int v = 0; v < VECS; ++v) {
+    const int c = 4 * (lane + 32 * v);
+    if (c < HD) *reinterpret_cast<float4*>(&s_sum[warp][c]) = acc[v];
+  }
+  __syncthreads();
+  typedef typename ElemTraits<Elem>::storage Storage;
+  Storage* o_row = head_ptr<Storage>(p.o, b, head) + static_cast<i64>(i) * p.o.seq;
+  for (int c = threadIdx.x; c < d; c += COMBINE_WARPS * 32) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) o += s_sum[w][c];
     o_row[c] = ElemTraits<Elem>::from_acc(o);
   }
-  if (lane == 0) head_ptr<float>(p.lse, b, head)[static_cast<i64>(i) * p.lse.seq] = lse;
+  if (threadIdx.x == 0) head_ptr<float>(p.lse, b, head)[static_cast<i64>(i) * p.lse.seq] = lse;
 }
 
 // ---------------------------------------------------------------------------------------------
