@@ -3,6 +3,7 @@
     import cuflash.torch as cft
     o = cft.attention(q, k, v, causal=True)                      # (B, N, H, d), autograd
     o = cft.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, N, d), SDPA's call
+    o, lse = cft.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new=k, v_new=v)  # decoding
 
 The forward and backward are registered as custom operators (``cuflash::attention_forward``,
 ``cuflash::attention_backward``) with fake implementations, so models that call them compile
@@ -381,6 +382,107 @@ def attention_varlen(
     """Differentiable packed attention: q (Tq, Hq, d), k and v (Tk, Hkv, d), offsets int32
     (B + 1,); keywords as :func:`attention_varlen_forward`."""
     return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
+
+
+# KV cache: one operator that writes k_new / v_new into the caches (declared as mutating them, so
+# torch.compile keeps the write) and returns o and lse. Inference only: no autograd formula.
+
+
+@torch.library.custom_op("cuflash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    cache_len: int,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _api_options(causal, window_left, window_right, softcap, scale, "bshd")
+    del options["layout"]
+    return api.attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens if cache_seqlens is not None else (None if cache_len < 0 else cache_len),
+        k_new=k_new,
+        v_new=v_new,
+        block_table=block_table,
+        alibi_slopes=alibi_slopes,
+        num_splits=num_splits or None,
+        **options,
+    )
+
+
+@_attention_with_kvcache.register_fake
+def _attention_with_kvcache_fake(q, k_cache, v_cache, *rest):
+    lse_dtype = _LSE_DTYPE.get(q.dtype, torch.float32)
+    batch, seq_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seq_q), dtype=lse_dtype)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int | None = None,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cuflash.attention_with_kvcache` as a custom operator that mutates k_cache and
+    v_cache (k_new / v_new are written into them in place), for torch.compile and CUDA graphs.
+    Returns (o, lse); no gradients."""
+    left, right = _validate.check_window(window, False)
+    softcap = _validate.check_softcap(softcap)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, cache_len = cache_seqlens, -1
+    else:
+        if cache_seqlens is not None and (
+            isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)
+        ):
+            raise TypeError(
+                f"cache_seqlens must be an int32 tensor, an int or None; got {cache_seqlens!r}"
+            )
+        if cache_seqlens is not None and cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0; got {cache_seqlens}")
+        seqlens, cache_len = None, -1 if cache_seqlens is None else cache_seqlens
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
+        raise TypeError(f"num_splits must be an int >= 1 or None; got {num_splits!r}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None); got {num_splits}")
+    return _attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        cache_len,
+        k_new,
+        v_new,
+        block_table,
+        alibi_slopes,
+        causal,
+        -1 if left is None else left,
+        -1 if right is None else right,
+        0.0 if softcap is None else softcap,
+        _resolve_scale(q, scale),
+        num_splits or 0,
+    )
 
 
 # Context parallelism: ring attention over torch.distributed (cuflash/_ring.py).
