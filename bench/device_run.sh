@@ -19,11 +19,13 @@
 #               also the typed-FFI alternative (bench/jax_ffi_ctypes.py)
 #     varlen    bench/bench_varlen.py: a packed batch of 64k tokens against dense 4k, SDPA on jagged
 #               nested tensors and padded SDPA, $VARLEN_ARGS
+#     kvcache   bench/bench_kvcache.py: decoding over KV caches against the copy bandwidth and SDPA,
+#               chunked prefill against the forward, $KVCACHE_ARGS
 #     ring      bench/bench_ring.py under torchrun, one process per GPU (weak scaling of ring
 #               attention; the multi-GPU kinds), $RING_ARGS
 #   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances)
-#   SANITIZE_CASES=dense|varlen|all (default all): which calls the sanitizers run
+#   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -105,6 +107,13 @@ if has varlen; then
   tail -30 "$LOGS/varlen.log" >> "$SUMMARY"
 fi
 
+if has kvcache; then
+  timeout ${KVCACHE_TIMEOUT:-300} $PY bench/bench_kvcache.py ${KVCACHE_ARGS:-} --out "$OUT/kvcache" \
+    > "$LOGS/kvcache.log" 2>"$LOGS/kvcache.err"
+  say "bench_kvcache exit $?"
+  cat "$OUT/kvcache/kvcache_table.txt" >> "$SUMMARY" 2>/dev/null
+fi
+
 if has ring; then
   GPUS=$(nvidia-smi -L | wc -l)
   timeout ${RING_TIMEOUT:-400} $PY -m torch.distributed.run --nproc_per_node "$GPUS" \
@@ -134,7 +143,7 @@ sanitize_all() {
   # three consumer warpgroups (192-row tiles, taken from 2048 rows on): its O staging tile and
   # TMA stores (docs/perf/NOTES.md, v9)
   local cases=${SANITIZE_CASES:-all}
-  if [[ $cases != varlen ]]; then
+  if [[ $cases == all || $cases == dense ]]; then
     (
       sanitize memcheck memcheck --all-buckets
       sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
@@ -145,7 +154,11 @@ sanitize_all() {
   fi
   # packed calls (well-formed, and malformed offsets on trust): the mma (40, 200) and wgmma (128)
   # kernels with the sequence lookups
-  if [[ $cases != dense ]]; then
+  if [[ $cases == all || $cases == kvcache ]]; then
+    sanitize memcheck_kvcache memcheck --cases kvcache --head-dim 40 128 200 &
+    sanitize racecheck_kvcache racecheck --cases kvcache --head-dim 40 128
+  fi
+  if [[ $cases == all || $cases == varlen ]]; then
     sanitize memcheck_varlen memcheck --cases varlen --head-dim 40 128 200 &
     sanitize racecheck_varlen racecheck --cases varlen --head-dim 40 128
   fi

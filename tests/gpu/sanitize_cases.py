@@ -11,7 +11,10 @@ head-dim instance; --forward-tiles and --register-store choose other TMA forward
 KernelChoice, cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
 (cuflash.attention_varlen_*: every dtype, the head dims above, causal, windows, softcap, ALiBi,
 aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, malformed);
---cases all runs both.
+--cases kvcache runs attention_with_kvcache (every dtype: the decoding kernels for fp16 / bf16 with
+one split and several, the packed path for the exact dtypes and for chunked prefill; contiguous
+and paged caches, appended rows, masks and modifiers, unaligned views; lengths beyond the
+capacity and page indices outside the cache, on trust); --cases all runs every kind.
 """
 
 from __future__ import annotations
@@ -141,6 +144,52 @@ def run_varlen(
             raise SystemExit(f"non-finite {name} for packed {dtype} d={d} causal={causal}")
 
 
+# KV cache: 3 sequences with these rows in use, 2 appended, capacity 96 (pages of 16 or 7 rows).
+KV_LENGTHS = (0, 41, 94)
+KV_MALFORMED = ("lengths", "pages")
+
+
+def run_kvcache(
+    dtype: torch.dtype,
+    d: int,
+    page: int | None,
+    nq: int = 1,
+    splits: int | None = None,
+    aligned: bool = True,
+    mods: str = "",
+    malformed: str = "",
+) -> None:
+    """One call: contiguous caches (page None) or paged ones; malformed "lengths" (beyond the
+    capacity, negative) or "pages" (indices -1 and past the cache) on trust."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    batch, new, capacity = len(KV_LENGTHS), 2, 96
+    if page is None:
+        rows = (batch, capacity)
+    else:
+        rows = (batch * -(-capacity // page) + 2, page)
+    q, k_cache, v_cache, _ = inputs(gen, dtype, d, aligned, (batch, nq), rows)
+    _, k_new, v_new, _ = inputs(gen, dtype, d, aligned, (batch, nq), (batch, new))
+    lengths = [n - new if n >= new else n for n in KV_LENGTHS]
+    if malformed == "lengths":
+        lengths = [capacity + 5, -7, 2**31 - 2]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    table = None
+    if page is not None:
+        pages = -(-capacity // page)
+        table = torch.randperm(rows[0], generator=gen, device="cuda")[: batch * pages]
+        table = table.view(batch, pages).to(torch.int32)
+        if malformed == "pages":
+            table[0, 0], table[1, -1], table[2, 1] = -1, rows[0] + 5, 2**31 - 1
+    options = mod_options(nq > 1, mods, gen, (batch, 4))
+    o, lse = cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, k_new=k_new, v_new=v_new, block_table=table,
+        num_splits=splits, **options,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    if not malformed and not torch.isfinite(o).all():
+        raise SystemExit(f"non-finite o for the KV cache, {dtype} d={d} page={page} nq={nq}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
@@ -157,9 +206,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--cases",
-        choices=["dense", "varlen", "all"],
+        choices=["dense", "varlen", "kvcache", "all"],
         default="dense",
-        help="dense calls (the default), packed variable-length calls, or both",
+        help="dense calls (the default), packed variable-length calls, KV-cache calls, or all",
     )
     args = parser.parse_args()
     tiles = tuple(int(x) for x in args.forward_tiles[0].split(",")) if args.forward_tiles else None
@@ -193,6 +242,18 @@ def main() -> int:
             for kind in VARLEN_MALFORMED:
                 run_varlen(dtype, d, True, mods="all", offsets=kind)
             count += 7 + len(VARLEN_MALFORMED)
+    for dtype in DTYPES if args.cases in ("kvcache", "all") else ():
+        for d in head_dims:
+            for page in (None, 16, 7):
+                for splits in (None, 1, 5):
+                    run_kvcache(dtype, d, page, splits=splits)
+                run_kvcache(dtype, d, page, nq=3, mods="all")
+                run_kvcache(
+                    dtype, d, page, nq=40, aligned=False, mods="alibi"
+                )  # 40 x 4 rows: packed
+                for kind in KV_MALFORMED if page is not None else KV_MALFORMED[:1]:
+                    run_kvcache(dtype, d, page, malformed=kind)
+                count += 6 + (len(KV_MALFORMED) if page is not None else 1)
     print(f"sanitize cases: {count} forward+backward runs completed")
     return 0
 
