@@ -47,27 +47,28 @@ def uses_decode(call: Call) -> bool:
 
 def split_keys(call: Call, sms: int, per_sm: int) -> tuple[int, int]:
     """(splits, keys per split) of a decoding call: the caller's num_splits, or the fewest splits
-    whose blocks fill their last wave (per_sm blocks on each of sms multiprocessors) within 95% as
-    well as the best choice does, each split at least four key tiles where the cache has them.
-    (On an H100 at d = 128, B = 8 and 32k keys: 5 splits, 1.2 waves, ran at 0.73 of the copy
-    bandwidth; 8 splits, 1.94 waves, at 0.95.)"""
+    (of whole key tiles) whose blocks fill their last wave (per_sm blocks on each of sms
+    multiprocessors) within 95% as well as the best choice does. (On an H100 at d = 128, B = 8
+    and 32k keys: 5 splits, 1.2 waves, ran at 0.73 of the copy bandwidth; 8 splits, 1.94 waves,
+    at 0.95.)"""
     p, cache = call.problem, call.cache
     tile = _kernels.DECODE_KEYS
     key_tiles = max(1, -(-p.seq_k // tile))
     if cache.num_splits is not None:
-        splits = min(cache.num_splits, key_tiles, _kernels.DECODE_MAX_SPLITS)
-    else:
-        row_tiles = -(-p.seq_q * p.group // _kernels.DECODE_ROWS)
-        blocks = max(1, p.batch * p.heads_kv * row_tiles)
-        slots = sms * per_sm
-        most = max(1, min(key_tiles // 4, _kernels.DECODE_MAX_SPLITS))
+        per_split = -(-key_tiles // min(cache.num_splits, key_tiles, _kernels.DECODE_MAX_SPLITS))
+        return -(-key_tiles // per_split), per_split * tile
+    row_tiles = -(-p.seq_q * p.group // _kernels.DECODE_ROWS)
+    blocks = max(1, p.batch * p.heads_kv * row_tiles)
+    slots = sms * per_sm
 
-        def fill(n: int) -> float:  # how full the waves of n splits are
-            waves = blocks * n / slots
-            return waves / -(-blocks * n // slots)
+    def fill(splits: int) -> float:  # how full the waves of these splits' blocks are
+        return blocks * splits / slots / -(-blocks * splits // slots)
 
-        best = max(fill(n) for n in range(1, most + 1))
-        splits = next(n for n in range(1, most + 1) if fill(n) >= 0.95 * best)
+    # every split count that whole tiles give, at most DECODE_MAX_SPLITS, fewest first
+    counts = sorted({-(-key_tiles // t) for t in range(1, key_tiles + 1)})
+    counts = [n for n in counts if n <= _kernels.DECODE_MAX_SPLITS]
+    best = max(fill(n) for n in counts)
+    splits = next(n for n in counts if fill(n) >= 0.95 * best)
     per_split = -(-key_tiles // splits)
     return -(-key_tiles // per_split), per_split * tile
 
@@ -78,12 +79,12 @@ def blocks_per_sm(spec: _kernels.KernelSpec, device: int) -> int:
     return max(1, _compile.shared_memory_per_sm(device) // (spec.smem_bytes + 1024))
 
 
-def _vec(call: Call) -> bool:
-    """16-byte copies: aligned pointers, strides and head dim in whole 16-byte chunks."""
-    infos = (call.q, call.k_cache, call.v_cache)
-    if call.problem.head_dim % 8:
+def _vec(p: Problem, *infos: ArrayInfo) -> bool:
+    """16-byte copies: aligned pointers, and strides and head dim in whole 16-byte units."""
+    unit = 16 // _kernels.ITEMSIZE[p.dtype]
+    if p.head_dim % unit:
         return False
-    return all(i.ptr % 16 == 0 and all(s % 8 == 0 for s in i.strides[:3]) for i in infos)
+    return all(i.ptr % 16 == 0 and all(s % unit == 0 for s in i.strides[:3]) for i in infos)
 
 
 class _Launcher:
@@ -148,12 +149,43 @@ def forward(call: Call, poison: bool) -> tuple[Any, Any]:
     empty = p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0
     o = alloc(p.q_shape, p.dtype, 0.0 if empty else None)
     lse = alloc(p.lse_shape, p.lse_dtype, float("-inf") if empty else None)
+    if not empty and not uses_decode(call) and _dense_view_possible(call):
+        return _dense(call)
     if not empty:
         if uses_decode(call):
             _decode(call, run, alloc, pointers, o, lse)
         else:
             _packed(call, run, alloc, pointers, o, lse, poison)
     return alloc.result(o), alloc.result(lse)
+
+
+def _dense_view_possible(call: Call) -> bool:
+    """Whether the keys are a view of the caches: contiguous caches whose every sequence uses
+    the same rows, known on the host (cache_seqlens an int or None), in a library that slices."""
+    return (
+        not call.cache.paged
+        and call.cache_seqlens is None
+        and call.problem.library in ("torch", "cupy")
+    )
+
+
+def _dense(call: Call) -> tuple[Any, Any]:
+    """The dense forward on views of the caches' first rows: no copy of the keys (chunked prefill
+    with lengths known on the host runs at the forward's speed)."""
+    from . import api
+
+    p, cache = call.problem, call.cache
+    n = cache.cache_len + cache.seq_new
+    k, v = call.k_cache.obj[:, :n], call.v_cache.obj[:, :n]
+    return api.attention_forward(
+        call.q.obj,
+        k,
+        v,
+        window=p.window,
+        softcap=p.softcap,
+        alibi_slopes=None if call.alibi is None else call.alibi.obj,
+        scale=p.scale,
+    )
 
 
 def _decode(call: Call, run: _Launcher, alloc: CudaAllocator, pointers: dict, o, lse) -> None:
@@ -166,7 +198,7 @@ def _decode(call: Call, run: _Launcher, alloc: CudaAllocator, pointers: dict, o,
         "num_splits": splits,
         "keys_per_split": per_split,
         "num_blocks": row_tiles,
-        "vec": int(_vec(call)),
+        "vec": int(_vec(p, call.q, call.k_cache, call.v_cache)),
     }
     pointers = {**pointers, "o": o.ptr, "lse": lse.ptr}
     grid = splits * row_tiles * p.heads_kv * p.batch
@@ -201,7 +233,8 @@ def _packed(call: Call, run: _Launcher, alloc, pointers: dict, o, lse, poison: b
     offsets = {"cu_seqlens_q": cu_q.ptr, "cu_seqlens_k": cu_k.ptr}
     run(_kernels.kvcache_instance("pack_offsets", "float32"), 1, {**pointers, **offsets})
     gather = {**pointers, **offsets, "k_new": keys["k"].ptr, "v_new": keys["v"].ptr}
-    run(_kernels.kvcache_instance("gather", p.dtype), total_k, gather)
+    vec = int(_vec(p, call.k_cache, call.v_cache))
+    run(_kernels.kvcache_instance("gather", p.dtype), total_k, gather, vec=vec)
 
     packed = replace(p, packed=True, total_q=p.batch * p.seq_q, total_k=total_k)
     q_rows = call.q

@@ -489,7 +489,8 @@ __global__ void kvcache_pack_offsets(const __grid_constant__ Params p) {
 constexpr int GATHER_THREADS = 128;
 
 // One block per (sequence, key row): the row of every KV head into the packed k_new / v_new
-// (here the gathered keys, (total rows, heads_kv, d)); rows of no page are zeros.
+// (here the gathered keys, (total rows, heads_kv, d)); rows of no page are zeros. `vec`: whole
+// 16-byte units (aligned caches and rows of a multiple of 16 bytes).
 template <typename S>
 __global__ void __launch_bounds__(GATHER_THREADS) kvcache_gather(const __grid_constant__ Params p) {
   const i64 bid = blockIdx.x;
@@ -497,14 +498,24 @@ __global__ void __launch_bounds__(GATHER_THREADS) kvcache_gather(const __grid_co
   if (r >= cache_keys(p, b)) return;
   const CacheRows cache = CacheRows::of(p);
   const i64 dst_row = p.cu_seqlens_k[b] + r;
-  const int d = p.head_dim;
-  for (int idx = threadIdx.x; idx < p.heads_kv * d; idx += GATHER_THREADS) {
-    const int h = idx / d, c = idx % d;
+  const bool vec = p.vec != 0;
+  constexpr int PER_UNIT = 16 / sizeof(S);
+  const int units = vec ? p.head_dim / PER_UNIT : p.head_dim;  // per head row
+  for (int idx = threadIdx.x; idx < p.heads_kv * units; idx += GATHER_THREADS) {
+    const int h = idx / units, u = idx % units;
     const i64 k_at = cache.offset(p.k, b, r, h), v_at = cache.offset(p.v, b, r, h);
     S* k_dst = head_ptr<S>(p.k_new, 0, h) + dst_row * p.k_new.seq;
     S* v_dst = head_ptr<S>(p.v_new, 0, h) + dst_row * p.v_new.seq;
-    k_dst[c] = k_at >= 0 ? static_cast<const S*>(p.k.ptr)[k_at + c] : S(0);
-    v_dst[c] = v_at >= 0 ? static_cast<const S*>(p.v.ptr)[v_at + c] : S(0);
+    const S* k_src = static_cast<const S*>(p.k.ptr) + k_at;
+    const S* v_src = static_cast<const S*>(p.v.ptr) + v_at;
+    if (vec) {
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      reinterpret_cast<uint4*>(k_dst)[u] = k_at >= 0 ? reinterpret_cast<const uint4*>(k_src)[u] : zero;
+      reinterpret_cast<uint4*>(v_dst)[u] = v_at >= 0 ? reinterpret_cast<const uint4*>(v_src)[u] : zero;
+    } else {
+      k_dst[u] = k_at >= 0 ? k_src[u] : S(0);
+      v_dst[u] = v_at >= 0 ? v_src[u] : S(0);
+    }
   }
 }
 
