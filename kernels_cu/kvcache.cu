@@ -152,14 +152,14 @@ struct QuerySource {
   }
 };
 
-// Key rows n0 .. n0 + BN of one sequence's cache (rows >= end read as zeros).
+// Key rows n0 .. n0 + BN of one sequence's cache (rows outside [begin, end) read as zeros).
 struct CacheSource {
   const unsigned short* base;
   const TensorRef* t;
   CacheRows cache;
-  int batch, head, n0, end;
+  int batch, head, n0, begin, end;
   __device__ __forceinline__ const unsigned short* operator()(int r) const {
-    if (n0 + r >= end) return nullptr;
+    if (n0 + r < begin || n0 + r >= end) return nullptr;
     const i64 at = cache.offset(*t, batch, n0 + r, head);
     return at < 0 ? nullptr : base + at;
   }
@@ -174,6 +174,38 @@ struct OffsetSource {
     return at < 0 ? nullptr : base + at;
   }
 };
+
+// O += P V for one warp's 16 keys with CUDA-core products that skip P = 0, so that a hidden key's
+// Inf or NaN in V never reaches a row (the tensor cores compute 0 x NaN = NaN). P is rounded to
+// Elem as the tensor-core path rounds it. Lane 4 g + t holds P[g][j], P[g + 8][j] for its keys
+// j = 8 nt + 2 t + (e & 1) (mma.cuh's layout) and O[g][c], O[g + 8][c] for c = 8 n + 2 t, + 1.
+template <typename Elem, int NT_O, int PITCH>
+__device__ __forceinline__ void pv_skipping_zeros(float (&acc)[1][NT_O][4], const float (&s)[1][2][4],
+                                                  const unsigned short* sV, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int key = 0; key < 16; ++key) {
+    const int nt = key >> 3, owner = (lane & ~3) | ((key & 7) >> 1), e = key & 1;
+    float p_lo = __shfl_sync(0xffffffffu, s[0][nt][e], owner);
+    float p_hi = __shfl_sync(0xffffffffu, s[0][nt][2 + e], owner);
+    p_lo = ElemTraits<Elem>::to_acc(ElemTraits<Elem>::from_acc(p_lo));
+    p_hi = ElemTraits<Elem>::to_acc(ElemTraits<Elem>::from_acc(p_hi));
+    const unsigned short* v_row = sV + key * PITCH + 2 * t;
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) {
+      const float v0 = ElemTraits<Elem>::to_acc(v_row[8 * n]);
+      const float v1 = ElemTraits<Elem>::to_acc(v_row[8 * n + 1]);
+      if (p_lo != 0.f) {
+        acc[0][n][0] = fmaf(p_lo, v0, acc[0][n][0]);
+        acc[0][n][1] = fmaf(p_lo, v1, acc[0][n][1]);
+      }
+      if (p_hi != 0.f) {
+        acc[0][n][2] = fmaf(p_hi, v0, acc[0][n][2]);
+        acc[0][n][3] = fmaf(p_hi, v1, acc[0][n][3]);
+      }
+    }
+  }
+}
 
 template <typename Elem, int HD, int STAGES, int FEATURES>
 struct DecodeTraits {
@@ -235,8 +267,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   // (`lookup`), so that no copy waits on a block table read.
   constexpr int HALF = Tr::THREADS / 2;
   auto load_kv_direct = [&](int t, int stage) {
-    const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_end};
-    const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_end};
+    const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_begin, key_end};
+    const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_begin, key_end};
     load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
     load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
   };
@@ -250,7 +282,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     if (threadIdx.x < BN) {
       const int n = t * BN + threadIdx.x;
       i64 page = 0, slot = 0;
-      const bool in_cache = n < key_end && cache.locate(b, n, page, slot);
+      const bool in_cache = n >= key_begin && n < key_end && cache.locate(b, n, page, slot);
       i64* offsets = s_offsets + (t & 1) * 2 * BN;
       offsets[threadIdx.x] = in_cache ? page * p.k.batch + slot * p.k.seq + kv_head * p.k.head : -1;
       offsets[BN + threadIdx.x] = in_cache ? page * p.v.batch + slot * p.v.seq + kv_head * p.v.head : -1;
@@ -270,10 +302,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   const float unit = static_cast<float>(p.scale);
   const Extents<true> ext{p.seq_q, nk};
   int pos[2];
+  bool real[2];
   typename Tr::ScoreMod mod[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = g + 8 * h;
+    real[h] = rows.real(r);
     pos[h] = rows.real(r) ? rows.position(r) : rows.position(0);
     mod[h] = Tr::ScoreMod::of(p, b, rows.real(r) ? rows.head(r) : rows.head(0), unit, ext);
   }
@@ -297,6 +331,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     float s[1][2][4];
     fill(s, 0.f);
     gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
+    bool hides_data = false;  // a real row does not see a key whose row of V was loaded
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -304,11 +339,22 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
         const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
         float x = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
         // the band of mask.cuh; keys outside the split or past the keys in use are hidden too
-        if (j < key_begin || j >= key_end || !mask.visible(pos[h], j)) x = -inf_f32();
+        // (their rows were not loaded: zeros)
+        const bool loaded = j >= key_begin && j < key_end;
+        if (!loaded || !mask.visible(pos[h], j)) {
+          x = -inf_f32();
+          hides_data |= loaded && real[h];
+        }
         s[0][nt][e] = x;
       }
     softmax.update(s, acc_o, scale_log2);
-    gemm_pb<Elem, 1, NT_O, 1, PITCH>(acc_o, s, sVw, lane);
+    // O += P V: on the tensor cores, except where a row does not see a loaded key: there 0 x an
+    // Inf or NaN of V would reach the row, so those tiles take exact products that skip P = 0
+    // (rare: the last keys under a causal mask with Nq > 1, a window's edges)
+    if (__any_sync(0xffffffffu, hides_data))
+      pv_skipping_zeros<Elem, NT_O, PITCH>(acc_o, s, sVw, lane);
+    else
+      gemm_pb<Elem, 1, NT_O, 1, PITCH>(acc_o, s, sVw, lane);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the tiles: the stages hold the merge from here
