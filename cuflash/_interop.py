@@ -304,8 +304,8 @@ class CudaAllocator:
             self._cupy = _cupy()
 
     def __call__(self, shape: tuple[int, ...], dtype: str, fill: float | None = None) -> CudaBuffer:
-        if fill is None and self.poison:
-            fill = float("nan")
+        if fill is None and self.poison:  # integer buffers (offsets) start as -1
+            fill = -1 if dtype == "int32" else float("nan")
         if self.library == "torch":
             tdtype = self._dtypes[dtype]
             if fill is None:

@@ -439,3 +439,90 @@ def backward_blockwise(
         _from_bhsd(dk, layout, two_d),
         _from_bhsd(dv, layout, two_d),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Key/value caches (attention_with_kvcache)
+
+
+def kvcache_lengths(cache_seqlens: Any, batch: int, default: int) -> np.ndarray:
+    """Rows in use of each sequence's cache before the append, int64 (B,): the array, the
+    int for every sequence, or `default` (the capacity less the new rows) for None."""
+    if cache_seqlens is None:
+        cache_seqlens = default
+    return np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (batch,)).copy()
+
+
+def kvcache_rows(b: int, n: int, block_table: Any = None, page_size: int = 1):
+    """(page, slot) index arrays of rows 0 .. n - 1 of sequence b: ``(b, r)`` in a contiguous
+    cache (block_table None); ``(block_table[b, r // page_size], r % page_size)`` when paged."""
+    r = np.arange(n)
+    if block_table is None:
+        return np.full(n, b), r
+    return np.asarray(block_table)[b, r // page_size], r % page_size
+
+
+def kvcache_keys(cache: Any, seqlens: Any, block_table: Any, b: int) -> Any:
+    """The first seqlens[b] rows of sequence b of a cache (contiguous, or paged through
+    block_table), in order: shape (seqlens[b], Hkv, d), the cache's dtype."""
+    page, slot = kvcache_rows(b, int(seqlens[b]), block_table, cache.shape[1])
+    return cache[page, slot]
+
+
+def kvcache_forward(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    cache_seqlens: Any = None,
+    *,
+    k_new: Array | None = None,
+    v_new: Array | None = None,
+    block_table: Any = None,
+    causal: bool = False,
+    window: Any = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """attention_with_kvcache by its definition: (o, lse, k_cache_after, v_cache_after).
+
+    Copies of the caches get k_new / v_new (B, Nnew, Hkv, d) at rows cache_seqlens[b] ..
+    cache_seqlens[b] + Nnew - 1 of each sequence (None: the capacity less Nnew); then sequence b
+    is the naive forward of q[b] over its first cache_seqlens[b] + Nnew rows (slopes row b of
+    (B, Hq) slopes). o (B, Nq, Hq, d) and lse (B, Hq, Nq) are float64; the caches keep their
+    dtype. The inputs are not modified. ValueError for lengths outside 0 .. capacity and for
+    pages in use outside the cache."""
+    q = np.asarray(q)
+    k_after, v_after = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    batch, nq, hq, _ = q.shape
+    page_size = k_after.shape[1]
+    capacity = page_size * (1 if block_table is None else np.shape(block_table)[1])
+    n_new = 0 if k_new is None else np.shape(k_new)[1]
+    used = kvcache_lengths(cache_seqlens, batch, capacity - n_new)
+    if np.any(used < 0) or np.any(used + n_new > capacity):
+        raise ValueError(f"cache_seqlens {used} + {n_new} new rows outside 0 .. {capacity}")
+    for b in range(batch):
+        page, slot = kvcache_rows(b, int(used[b]) + n_new, block_table, page_size)
+        if np.any((page < 0) | (page >= k_after.shape[0])):
+            raise ValueError(f"block_table[{b}] lists pages outside the cache: {page}")
+        if n_new:
+            k_after[page[used[b] :], slot[used[b] :]] = np.asarray(k_new)[b]
+            v_after[page[used[b] :], slot[used[b] :]] = np.asarray(v_new)[b]
+    slopes = [None] * batch
+    if alibi_slopes is not None:  # (Hq,) or (B, Hq): row b is sequence b's
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64).reshape(-1, hq), (batch, hq))
+    o = np.zeros(q.shape)
+    lse = np.full((batch, hq, nq), -np.inf)
+    for b in range(batch):
+        o_b, lse_b = forward(
+            q[b : b + 1],
+            kvcache_keys(k_after, used + n_new, block_table, b)[None],
+            kvcache_keys(v_after, used + n_new, block_table, b)[None],
+            causal=causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=slopes[b],
+        )
+        o[b], lse[b] = o_b[0], lse_b[0]
+    return o, lse, k_after, v_after
