@@ -22,6 +22,7 @@ shapes are checked when the call is traced, with the errors of :func:`cuflash.at
   ``(o, lse)`` and is differentiable through o (not through lse); ``attention_backward`` is the
   backward as a function (not differentiable again).
 - ``vmap``: a batching rule folds the mapped axis into the batch (one launch, no Python loop).
+- ``attention_with_kvcache`` is functional: it returns the updated caches beside o and lse.
 - Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not supported: use ``jax.vjp``,
   ``jax.grad`` or ``jax.jacrev``.
 """
@@ -728,6 +729,122 @@ def attention_varlen(
     longest = (max_seqlen_q, max_seqlen_k)
     slopes = _slopes_tuple(alibi_slopes)
     return _reraise_jvp(lambda: _attention_varlen(q, k, v, cq, ck, slopes, options, longest))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: functional. The append is JAX's own scatter (in place where XLA may reuse the caches'
+# buffers: donate them); the attention gathers each sequence's keys in use into a packed batch and
+# runs the packed forward (attention_varlen's custom call).
+
+
+def _cache_rows(rows: Any, block_table: Any, page_size: int, num_pages: int) -> tuple[Any, Any]:
+    """(page, slot) of rows (B, n) of each sequence; rows outside the cache get page num_pages
+    (out of bounds: dropped by scatters, clamped by gathers)."""
+    batch = rows.shape[0]
+    if block_table is None:
+        capacity = page_size
+        page = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], rows.shape)
+        slot = rows
+    else:
+        capacity = page_size * block_table.shape[1]
+        index = jnp.clip(rows // page_size, 0, block_table.shape[1] - 1)
+        page = jnp.take_along_axis(block_table, index, axis=1)
+        slot = rows % page_size
+    bad = (rows < 0) | (rows >= capacity) | (page < 0) | (page >= num_pages)
+    return jnp.where(bad, num_pages, page), jnp.where(bad, 0, slot)
+
+
+def attention_with_kvcache(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_seqlens: jax.Array | int | None = None,
+    *,
+    k_new: jax.Array | None = None,
+    v_new: jax.Array | None = None,
+    block_table: jax.Array | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`cuflash.attention_with_kvcache` for JAX, functional: returns ``(o, lse, k_cache,
+    v_cache)`` with k_new / v_new written into the returned caches. Eager and under ``jax.jit``
+    (donate the caches to update them in place). Lengths and pages are trusted, as the plain
+    API's GPU path trusts them: rows past the capacity or on pages outside the cache are neither
+    written nor read. Each sequence's keys in use are gathered into a packed batch for the packed
+    forward kernels (the split-KV decoding kernels are not used here yet)."""
+    names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    q, k_cache, v_cache = (_as_jax(x, n) for n, x in names)
+    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"q must be (B, Nq, Hq, d) and k_cache, v_cache 4-D of one shape; got q {q.shape}, "
+            f"k_cache {k_cache.shape}, v_cache {v_cache.shape}"
+        )
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (or neither)")
+    batch, seq_q, heads_q, d = q.shape
+    pages, page_size, heads_kv, _ = k_cache.shape
+    paged = block_table is not None
+    if paged:
+        block_table = _as_jax(block_table, "block_table")
+        if block_table.dtype != jnp.int32 or block_table.ndim != 2:
+            raise TypeError(f"block_table must be int32 (B, max_pages); got {block_table.dtype}")
+    capacity = page_size * (block_table.shape[1] if paged else 1)
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    if cache_seqlens is None:
+        lengths = jnp.full((batch,), capacity - seq_new, jnp.int32)
+    elif isinstance(cache_seqlens, int):
+        lengths = jnp.full((batch,), cache_seqlens, jnp.int32)
+    else:
+        lengths = _as_jax(cache_seqlens, "cache_seqlens")
+        if lengths.dtype != jnp.int32 or lengths.shape != (batch,):
+            raise TypeError(
+                f"cache_seqlens must be an int32 array (B,) = ({batch},); got {lengths.dtype} "
+                f"{lengths.shape}"
+            )
+    if k_new is not None:
+        k_new, v_new = _as_jax(k_new, "k_new"), _as_jax(v_new, "v_new")
+        expected = (batch, seq_new, heads_kv, d)
+        if k_new.shape != expected or v_new.shape != expected:
+            raise ValueError(
+                f"k_new and v_new must have shape (B, Nnew, Hkv, d) = {expected}; got "
+                f"{k_new.shape}, {v_new.shape}"
+            )
+        rows = lengths[:, None] + jnp.arange(seq_new, dtype=jnp.int32)[None, :]
+        page, slot = _cache_rows(rows, block_table, page_size, pages)
+        k_cache = k_cache.at[page, slot].set(k_new.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[page, slot].set(v_new.astype(v_cache.dtype), mode="drop")
+    # the keys in use, packed: sequence b's rows cu_k[b] .. cu_k[b + 1]
+    used = jnp.clip(lengths + seq_new, 0, capacity)
+    cu_k = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(used, dtype=jnp.int32)])
+    row = jnp.arange(batch * capacity, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(cu_k, row, side="right") - 1, 0, batch - 1)
+    within = row - cu_k[owner]
+    table = None if block_table is None else block_table[owner]
+    if table is None:  # contiguous: row r of batch b
+        page, slot = owner, within
+    else:
+        index = jnp.clip(within // page_size, 0, table.shape[1] - 1)
+        page = jnp.take_along_axis(table, index[:, None], axis=1)[:, 0]
+        slot = within % page_size
+    page = jnp.where((within < capacity) & (page >= 0) & (page < pages), page, pages)
+    in_cache = (page < pages)[:, None, None]
+    page, slot = jnp.minimum(page, pages - 1), jnp.clip(slot, 0, page_size - 1)
+    keys = jnp.where(in_cache, k_cache[page, slot], 0).astype(k_cache.dtype)
+    values = jnp.where(in_cache, v_cache[page, slot], 0).astype(v_cache.dtype)
+    # one more sequence, without queries, holds the unused rows (the offsets end at the rows)
+    cu_q = jnp.minimum(jnp.arange(batch + 2, dtype=jnp.int32), batch) * seq_q
+    cu_k = jnp.concatenate([cu_k, jnp.full(1, batch * capacity, jnp.int32)])
+    options = _options(causal, window, softcap, scale, "bshd")
+    q_packed = q.reshape(batch * seq_q, heads_q, d)
+    slopes = _slopes_tuple(alibi_slopes)
+    if slopes and slopes[0].ndim == 2:  # (B, Hq): a row for the extra sequence
+        slopes = (jnp.concatenate([slopes[0], jnp.zeros_like(slopes[0][:1])]),)
+    o, lse = _varlen_forward(options, (seq_q, capacity), q_packed, keys, values, cu_q, cu_k, slopes)
+    lse = lse.reshape(heads_q, batch, seq_q).transpose(1, 0, 2)
+    return o.reshape(q.shape), lse, k_cache, v_cache
 
 
 # Context parallelism: ring attention inside shard_map (cuflash/_jax_ring.py).

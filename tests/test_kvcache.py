@@ -704,3 +704,43 @@ def test_jax_caches_with_new_rows_raise():
     call = {n: jax.numpy.asarray(a) for n, a in valid_call(paged=False).items()}
     with pytest.raises(TypeError, match="k_new"):
         run_call(call)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("slopes", [None, "batch"])
+def test_jax_functional_wrapper_under_jit_equals_the_plain_api(paged, slopes):
+    """cuflash.jax.attention_with_kvcache under jax.jit returns what the plain API returns and
+    the caches the plain API leaves behind (written functionally), with the lengths an array."""
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cfj
+
+    rng = np.random.default_rng(7)
+    batch, seq_q, heads_q, heads_kv, d = 3, 2, 4, 2, 8
+    page_size = 5 if paged else 12
+    pages = 11 if paged else batch
+    k_cache = rng.standard_normal((pages, page_size, heads_kv, d)).astype(np.float32)
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    table = rng.permutation(pages)[:9].reshape(3, 3).astype(np.int32) if paged else None
+    q = rng.standard_normal((batch, seq_q, heads_q, d)).astype(np.float32)
+    k_new = rng.standard_normal((batch, 2, heads_kv, d)).astype(np.float32)
+    v_new = rng.standard_normal(k_new.shape).astype(np.float32)
+    lengths = np.array([0, 5, 10], np.int32)
+    alibi = None if slopes is None else rng.uniform(0.1, 1, (batch, heads_q)).astype(np.float32)
+    options = {"causal": True, "window": (6, None), "alibi_slopes": alibi}
+    k_want, v_want = k_cache.copy(), v_cache.copy()
+    o_want, lse_want = cuflash.attention_with_kvcache(
+        q, k_want, v_want, lengths, k_new=k_new, v_new=v_new, block_table=table, **options
+    )
+
+    @jax.jit
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table, alibi):
+        return cfj.attention_with_kvcache(
+            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
+            causal=True, window=(6, None), alibi_slopes=alibi,
+        )  # fmt: skip
+
+    o, lse, k_after, v_after = step(q, k_cache, v_cache, lengths, k_new, v_new, table, alibi)
+    np.testing.assert_allclose(np.asarray(o), o_want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), lse_want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(k_after), k_want)
+    np.testing.assert_array_equal(np.asarray(v_after), v_want)

@@ -580,3 +580,48 @@ def test_two_identical_calls_give_the_same_bits(dtype, num_splits):
         sync()
         assert bitwise_equal(first[0], again[0]) and bitwise_equal(first[1], again[1])
         assert bitwise_equal(x.k_cache, caches[0]) and bitwise_equal(x.v_cache, caches[1])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
+    """cuflash.jax.attention_with_kvcache (jit, JAX GPU arrays) gives the plain API's o and lse
+    (CuPy arrays, same inputs) to the float32 kernels' rounding, and its returned caches hold
+    exactly the plain API's appends."""
+    jax = pytest.importorskip("jax")
+    if not any(dev.platform == "gpu" for dev in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    import cuflash.jax as cfj
+
+    rng = np.random.default_rng(3)
+    batch, seq_q, heads_q, heads_kv, d = 3, 3, 8, 2, 64
+    page_size = 16 if paged else 80
+    pages = 17 if paged else batch
+    k_cache = rng.standard_normal((pages, page_size, heads_kv, d)).astype(np.float32)
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    table = rng.permutation(pages)[:15].reshape(3, 5).astype(np.int32) if paged else None
+    q = rng.standard_normal((batch, seq_q, heads_q, d)).astype(np.float32)
+    k_new = rng.standard_normal((batch, 2, heads_kv, d)).astype(np.float32)
+    v_new = rng.standard_normal(k_new.shape).astype(np.float32)
+    lengths = np.array([0, 33, 78], np.int32)
+    gpu = [cupy.asarray(x) for x in (q, k_cache, v_cache, lengths, k_new, v_new)]
+    gpu_table = None if table is None else cupy.asarray(table)
+    o_want, lse_want = cuflash.attention_with_kvcache(
+        gpu[0], gpu[1], gpu[2], gpu[3], k_new=gpu[4], v_new=gpu[5], block_table=gpu_table,
+        causal=True,
+    )  # fmt: skip
+
+    @jax.jit
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
+        return cfj.attention_with_kvcache(
+            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
+            causal=True,
+        )  # fmt: skip
+
+    device = next(dev for dev in jax.devices() if dev.platform == "gpu")
+    inputs = [jax.device_put(x, device) for x in (q, k_cache, v_cache, lengths, k_new, v_new)]
+    jax_table = None if table is None else jax.device_put(table, device)
+    o, lse, k_after, v_after = step(*inputs, jax_table)
+    np.testing.assert_allclose(np.asarray(o), cupy.asnumpy(o_want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), cupy.asnumpy(lse_want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(k_after), cupy.asnumpy(gpu[1]))
+    np.testing.assert_array_equal(np.asarray(v_after), cupy.asnumpy(gpu[2]))
