@@ -744,3 +744,37 @@ def test_jax_functional_wrapper_under_jit_equals_the_plain_api(paged, slopes):
     np.testing.assert_allclose(np.asarray(lse), lse_want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(k_after), k_want)
     np.testing.assert_array_equal(np.asarray(v_after), v_want)
+
+
+def test_torch_operator_mutates_the_caches_and_compiles():
+    """cuflash.torch.attention_with_kvcache (a custom operator declared as mutating the caches)
+    gives the plain API's results and appends, eagerly and under torch.compile(fullgraph=True)."""
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as cft
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 8, generator=gen, dtype=torch.float64)
+    k_cache = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(2, 10, 2, 8, generator=gen, dtype=torch.float64)
+    k_new = torch.randn(2, 1, 2, 8, generator=gen, dtype=torch.float64)
+    v_new = torch.randn(2, 1, 2, 8, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    o_want, lse_want = cuflash.attention_with_kvcache(
+        q, k_want, v_want, lengths, k_new=k_new, v_new=v_new, causal=True
+    )
+    k_got, v_got = k_cache.clone(), v_cache.clone()
+    o, lse = cft.attention_with_kvcache(
+        q, k_got, v_got, lengths, k_new=k_new, v_new=v_new, causal=True
+    )
+    assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        return cft.attention_with_kvcache(q, k_cache, v_cache, 7, k_new=k_new, v_new=v_new)
+
+    k_got, v_got = k_cache.clone(), v_cache.clone()
+    o, _ = torch.compile(step, fullgraph=True)(q, k_got, v_got, k_new, v_new)
+    assert torch.equal(k_got[:, 7], k_new[:, 0]) and torch.equal(v_got[:, 7], v_new[:, 0])
+    want, _ = cuflash.attention_forward(q, k_got[:, :8], v_got[:, :8])
+    torch.testing.assert_close(o, want, rtol=0, atol=1e-12)

@@ -625,3 +625,35 @@ def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
     np.testing.assert_allclose(np.asarray(lse), cupy.asnumpy(lse_want), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(k_after), cupy.asnumpy(gpu[1]))
     np.testing.assert_array_equal(np.asarray(v_after), cupy.asnumpy(gpu[2]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "seq_q,causal,window,nan_key",
+    [(4, True, None, 1), (1, False, (50, 0), 120), (3, False, (10, 0), 12), (1, False, None, 7)],
+)
+def test_a_nonfinite_cache_row_reaches_only_the_rows_that_see_it(
+    dtype, seq_q, causal, window, nan_key
+):
+    """A NaN and an Inf in the V row of key n - nan_key (n keys in use): the rows that see that
+    key are non-finite, every other row is finite (the decoding kernel's P V skips P = 0 on tiles
+    where a row does not see a loaded key; the tensor cores would give 0 x NaN = NaN)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(nan_key)
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(1, seq_q, 8, 64, generator=gen, device=DEVICE).to(tdtype)
+    k_cache = torch.randn(1, 300, 2, 64, generator=gen, device=DEVICE).to(tdtype)
+    v_cache = torch.randn(1, 300, 2, 64, generator=gen, device=DEVICE).to(tdtype)
+    n = 200
+    v_cache[0, n - nan_key, :, 3] = float("nan")
+    v_cache[0, n - nan_key, :, 5] = float("inf")
+    o, _ = cuflash.attention_with_kvcache(q, k_cache, v_cache, n, causal=causal, window=window)
+    left, right = window if window else (None, None)
+    right = 0 if causal else right
+    j = n - nan_key
+    sees = []
+    for i in range(seq_q):
+        diag = i + n - seq_q
+        sees.append((left is None or j >= diag - left) and (right is None or j <= diag + right))
+    finite = torch.isfinite(o[0].float()).all(-1).cpu()  # (Nq, Hq)
+    for i, seen in enumerate(sees):
+        assert bool(finite[i].any()) != seen and bool(finite[i].all()) != seen, (i, seen)
