@@ -472,6 +472,8 @@ DECODE_THREADS = 128
 DECODE_MAX_ROWS = 64
 DECODE_MAX_SPLITS = 128  # the combine's block reads one split per thread (COMBINE_MAX_SPLITS)
 DECODE_FEATURE_SETS = tuple(range(8))  # LOCAL, SOFTCAP, ALIBI: no PACKED
+# Families whose instances have no FEATURES template argument (they apply no mask or modifier).
+FEATURELESS_FAMILIES = ("preprocess", "append", "gather", "pack_offsets", "decode_combine")
 APPEND_THREADS = 256
 COMBINE_WARPS = 8
 GATHER_THREADS = 128

@@ -36,7 +36,7 @@ def selected(
     def wanted(s: _kernels.KernelSpec) -> bool:
         if s.dtype not in dtypes:
             return False
-        if s.family == "preprocess":  # one dense instance, which every feature set uses
+        if s.head_dim == 0:  # no head dim or features: the preprocess, the KV cache's copies
             return True
         return s.head_dim in buckets and (features is None or s.features in features)
 
