@@ -61,11 +61,19 @@ def max_shared_memory(device_index: int) -> int:
     return limit
 
 
+_smem_per_sm: dict[int, int] = {}
+
+
 def shared_memory_per_sm(device_index: int) -> int:
     """Bytes of shared memory of one multiprocessor of GPU `device_index`."""
-    import cupy
+    size = _smem_per_sm.get(device_index)
+    if size is None:
+        import cupy
 
-    return cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerMultiprocessor"]
+        size = _smem_per_sm[device_index] = cupy.cuda.Device(device_index).attributes[
+            "MaxSharedMemoryPerMultiprocessor"
+        ]
+    return size
 
 
 def device_arch(device_index: int) -> str:

@@ -58,6 +58,11 @@ class Call:
     alibi: ArrayInfo | None
 
 
+def is_array(cache_seqlens: Any) -> bool:
+    """Whether cache_seqlens is an array (not an int, not None)."""
+    return cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral)
+
+
 def _check_int_array(info: ArrayInfo, shape: tuple[int, ...], words: str) -> None:
     if info.dtype != "int32":
         raise TypeError(f"{info.name} must have dtype int32; got {info.dtype}")
@@ -91,7 +96,7 @@ def check(
     for CPU arrays or with check_inputs."""
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together (or neither)")
-    seqlens_array = cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral)
+    seqlens_array = is_array(cache_seqlens)
     if isinstance(cache_seqlens, (bool, np.bool_)):
         raise TypeError(
             f"cache_seqlens must be an int32 array, an int or None; got {cache_seqlens!r}"

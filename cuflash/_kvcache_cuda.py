@@ -14,6 +14,7 @@ decoding step can be captured in a CUDA graph. Launches go on the caller's strea
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -79,84 +80,203 @@ def blocks_per_sm(spec: _kernels.KernelSpec, device: int) -> int:
     return max(1, _compile.shared_memory_per_sm(device) // (spec.smem_bytes + 1024))
 
 
-def _vec(p: Problem, *infos: ArrayInfo) -> bool:
-    """16-byte copies: aligned pointers, and strides and head dim in whole 16-byte units."""
+def _vec_strides(p: Problem, *infos: ArrayInfo) -> bool:
+    """Whether the strides and head dim are whole 16-byte units (the pointers are checked per
+    call: _vec_pointers)."""
     unit = 16 // _kernels.ITEMSIZE[p.dtype]
-    if p.head_dim % unit:
-        return False
-    return all(i.ptr % 16 == 0 and all(s % unit == 0 for s in i.strides[:3]) for i in infos)
+    return p.head_dim % unit == 0 and all(all(s % unit == 0 for s in i.strides[:3]) for i in infos)
 
 
-class _Launcher:
-    """Fills Params for the call's launches and runs them on the caller's stream."""
+def _vec_pointers(*pointers: int) -> bool:
+    return all(x % 16 == 0 for x in pointers)
 
-    def __init__(self, call: Call, strides: dict[str, tuple[int, int, int]]) -> None:
-        self.call = call
-        self.device = call.problem.device[1]
-        self.stream = stream_getter(call.problem.library)(self.device)
-        self.strides = strides
-        cache = call.cache
+
+class _Ready:
+    """One launch made ready once: its compiled kernel, grid and Params; a call writes only its
+    pointers (and, where the kernel copies in 16-byte units, whether this call's pointers allow
+    them) into its thread's copy of the arguments."""
+
+    def __init__(self, spec, grid: int, params, tensors: tuple[str, ...], device: int) -> None:  # noqa: ANN001
+        self.loaded = _compile.load(spec, device)
+        self.grid, self.params, self.tensors, self.device = grid, params, tensors, device
+        self._threads = threading.local()
+
+    def __call__(self, stream: int, pointers: dict[str, int], vec: int | None = None) -> None:
+        args = getattr(self._threads, "args", None)
+        if args is None:
+            args = self._threads.args = _params.Arguments(self.params, self.tensors)
+        args.set_pointers(tuple(pointers[name] for name in self.tensors))
+        if vec is not None:
+            args.params.vec = vec
+        _launch.launch(self.loaded, self.grid, self.device, stream, args.address)
+
+
+class KVCachePlan:
+    """attention_with_kvcache for one call signature (shapes, strides, dtypes, device, options):
+    the launches chosen and made ready once; a call passes its arrays' pointers (in the order of
+    `inputs`) and gets (o, lse) in q's library."""
+
+    def __init__(self, call: Call, poison: bool) -> None:
+        p, cache = call.problem, call.cache
+        self.call, self.p, self.poison = call, p, poison
+        self.device = p.device[1]
+        self.alloc = CudaAllocator(p.library, self.device, poison)
+        self.stream = stream_getter(p.library)
+        named = (
+            ("q", call.q),
+            ("k", call.k_cache),
+            ("v", call.v_cache),
+            ("seqused_k", call.cache_seqlens),
+            ("k_new", call.k_new),
+            ("v_new", call.v_new),
+            ("block_table", call.block_table),
+            ("alibi", call.alibi),
+        )
+        self.inputs = tuple(name for name, info in named if info is not None)
+        self.strides = {
+            "q": _bhs(call.q.strides),
+            "k": _bhs(call.k_cache.strides),
+            "v": _bhs(call.v_cache.strides),
+            "o": _bhs(c_contiguous_strides(p.q_shape)),
+            "lse": _lse_bhs(p.lse_shape),
+        }
+        if call.alibi is not None:
+            self.strides["alibi"] = alibi_strides(call.alibi)
         self.fields = {
-            "page_size": cache.rows if cache.paged else call.problem.seq_k,
+            "page_size": cache.rows if cache.paged else p.seq_k,
             "num_pages": cache.num_pages,
             "cache_len": cache.cache_len or 0,
             "seq_new": cache.seq_new,
             "block_table_stride": call.block_table.strides[0] if cache.paged else 0,
         }
-
-    def __call__(
-        self,
-        spec: _kernels.KernelSpec,
-        grid: int,
-        pointers: dict[str, int],
-        problem: Problem | None = None,
-        **fields: Any,
-    ) -> None:
-        params = _params.fill(problem or self.call.problem, self.strides, **self.fields, **fields)
-        args = _params.Arguments(params, tuple(pointers))
-        args.set_pointers(tuple(pointers.values()))
-        loaded = _compile.load(spec, self.device)
-        _launch.launch(loaded, grid, self.device, self.stream, args.address)
-
-
-def forward(call: Call, poison: bool) -> tuple[Any, Any]:
-    """Runs the call; returns (o, lse) as arrays of q's library."""
-    p, cache = call.problem, call.cache
-    alloc = CudaAllocator(p.library, p.device[1], poison)
-    strides = {
-        "q": _bhs(call.q.strides),
-        "k": _bhs(call.k_cache.strides),
-        "v": _bhs(call.v_cache.strides),
-        "o": _bhs(c_contiguous_strides(p.q_shape)),
-        "lse": _lse_bhs(p.lse_shape),
-    }
-    pointers = {"q": call.q.ptr, "k": call.k_cache.ptr, "v": call.v_cache.ptr}
-    if call.cache_seqlens is not None:
-        pointers["seqused_k"] = call.cache_seqlens.ptr
-    if call.block_table is not None:
-        pointers["block_table"] = call.block_table.ptr
-    if call.alibi is not None:
-        strides["alibi"] = alibi_strides(call.alibi)
-        pointers["alibi"] = call.alibi.ptr
-    run = _Launcher(call, strides)
-    if cache.seq_new and p.batch * p.heads_kv * p.head_dim:
-        strides["k_new"] = _bhs(call.k_new.strides)
-        strides["v_new"] = _bhs(call.v_new.strides)
-        new = {**pointers, "k_new": call.k_new.ptr, "v_new": call.v_new.ptr}
-        elements = p.batch * cache.seq_new * p.heads_kv * p.head_dim
-        grid = min(-(-elements // _kernels.APPEND_THREADS), 65536)
-        run(_kernels.kvcache_instance("append", p.dtype), grid, new)
-    empty = p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0
-    o = alloc(p.q_shape, p.dtype, 0.0 if empty else None)
-    lse = alloc(p.lse_shape, p.lse_dtype, float("-inf") if empty else None)
-    if not empty and not uses_decode(call) and _dense_view_possible(call):
-        return _dense(call)
-    if not empty:
-        if uses_decode(call):
-            _decode(call, run, alloc, pointers, o, lse)
+        self.append = None
+        if cache.seq_new and p.batch * p.heads_kv * p.head_dim:
+            self.strides["k_new"] = _bhs(call.k_new.strides)
+            self.strides["v_new"] = _bhs(call.v_new.strides)
+            elements = p.batch * cache.seq_new * p.heads_kv * p.head_dim
+            grid = min(-(-elements // _kernels.APPEND_THREADS), 65536)
+            spec = _kernels.kvcache_instance("append", p.dtype)
+            self.append = self._ready(spec, grid, ("k", "v", "k_new", "v_new"))
+        self.vec_ok = _vec_strides(p, call.q, call.k_cache, call.v_cache)
+        self.gather_vec_ok = _vec_strides(p, call.k_cache, call.v_cache)
+        self.empty = p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0
+        if self.empty:
+            self.route = "empty"
+        elif uses_decode(call):
+            self.route = "decode"
+            self._make_decode()
+        elif _dense_view_possible(call):
+            self.route = "dense"
         else:
-            _packed(call, run, alloc, pointers, o, lse, poison)
-    return alloc.result(o), alloc.result(lse)
+            self.route = "packed"
+            self._make_packed()
+
+    def _ready(self, spec, grid: int, tensors: tuple[str, ...], problem=None, **fields) -> _Ready:  # noqa: ANN001
+        """A launch whose Params hold the problem, the cache fields and `fields`; its pointers
+        are `tensors` plus the call's optional inputs (lengths, block table, slopes)."""
+        extras = tuple(n for n in ("seqused_k", "block_table", "alibi") if n in self.inputs)
+        params = _params.fill(problem or self.p, self.strides, **self.fields, **fields)
+        return _Ready(spec, grid, params, tensors + extras, self.device)
+
+    def _make_decode(self) -> None:
+        p, device = self.p, self.device
+        spec = _kernels.kvcache_instance("decode", p.dtype, p.head_dim, _dispatch.features(p))
+        splits, per_split = split_keys(
+            self.call, _compile.sm_count(device), blocks_per_sm(spec, device)
+        )
+        row_tiles = -(-p.seq_q * p.group // _kernels.DECODE_ROWS)
+        fields = {"num_splits": splits, "keys_per_split": per_split, "num_blocks": row_tiles}
+        self.splits = splits
+        grid = splits * row_tiles * p.heads_kv * p.batch
+        tensors = ("q", "k", "v", "o", "lse")
+        if splits > 1:
+            # rows padded to the head-dim bucket: the combine reads them in float4s
+            bucket = _kernels.head_dim_bucket(p.head_dim)
+            self.accum_shape = (splits * p.batch, p.heads_q, p.seq_q, bucket)
+            self.strides["o_accum"] = tuple(c_contiguous_strides(self.accum_shape)[:3])
+            self.strides["lse_accum"] = tuple(c_contiguous_strides(self.accum_shape[:3]))
+            tensors += ("o_accum", "lse_accum")
+            combine = _kernels.kvcache_instance("decode_combine", p.dtype, p.head_dim)
+            self.combine = self._ready(combine, p.batch * p.heads_q * p.seq_q, tensors, **fields)
+        self.decode = self._ready(spec, grid, tensors, **fields)
+
+    def _make_packed(self) -> None:
+        """Chunked prefill and the exact dtypes: the keys in use of every sequence gathered into
+        a packed batch (B * capacity rows, of which the first sum of lengths are used), then the
+        packed forward over it; its lse (Hq, B * Nq) transposed into (B, Hq, Nq)."""
+        from . import _cuda
+
+        p = self.p
+        total_k = p.batch * p.seq_k
+        self.packed_kv_shape = (total_k, p.heads_kv, p.head_dim)
+        packed_strides = tuple(c_contiguous_strides(self.packed_kv_shape))
+        self.strides["k_new"] = self.strides["v_new"] = (0, packed_strides[1], packed_strides[0])
+        offsets = ("cu_seqlens_q", "cu_seqlens_k")
+        spec = _kernels.kvcache_instance("pack_offsets", "float32")
+        self.pack_offsets = self._ready(spec, 1, offsets)
+        spec = _kernels.kvcache_instance("gather", p.dtype)
+        self.gather = self._ready(spec, total_k, ("k", "v", "k_new", "v_new", *offsets))
+        self.packed = replace(p, packed=True, total_q=p.batch * p.seq_q, total_k=total_k)
+        q = self.call.q
+        self.q_copy = p.batch > 1 and q.strides[0] != p.seq_q * q.strides[1]
+        s = c_contiguous_strides(q.shape) if self.q_copy else q.strides
+        qi = replace(q, shape=self.packed.q_shape, strides=(s[1], s[2], s[3]))
+
+        def info(name: str) -> ArrayInfo:
+            return ArrayInfo(
+                None, name, p.library, p.device, p.dtype, self.packed_kv_shape, packed_strides, 0
+            )
+
+        self.forward = _cuda.ForwardPlan(
+            self.packed, qi, info("k"), info("v"), poison=self.poison, alibi=self.call.alibi
+        )
+
+    def run(self, arrays: tuple, pointers: tuple[int, ...]) -> tuple[Any, Any]:
+        """Runs on the call's arrays and their pointers (both in the order of `inputs`)."""
+        p = self.p
+        ptr = dict(zip(self.inputs, pointers, strict=True))
+        stream = self.stream(self.device)
+        if self.append is not None:
+            self.append(stream, ptr)
+        if self.route == "dense":
+            return _dense(self.call, dict(zip(self.inputs, arrays, strict=True)))
+        alloc = self.alloc
+        o = alloc(p.q_shape, p.dtype, 0.0 if self.empty else None)
+        lse = alloc(p.lse_shape, p.lse_dtype, float("-inf") if self.empty else None)
+        ptr["o"], ptr["lse"] = o.ptr, lse.ptr
+        if self.route == "decode":
+            vec = int(self.vec_ok and _vec_pointers(ptr["q"], ptr["k"], ptr["v"]))
+            if self.splits > 1:
+                o_accum = alloc(self.accum_shape, "float32")
+                lse_accum = alloc(self.accum_shape[:3], "float32")
+                ptr["o_accum"], ptr["lse_accum"] = o_accum.ptr, lse_accum.ptr
+            self.decode(stream, ptr, vec)
+            if self.splits > 1:
+                self.combine(stream, ptr)
+        elif self.route == "packed":
+            self._run_packed(stream, ptr, lse, alloc, arrays)
+        return alloc.result(o), alloc.result(lse)
+
+    def _run_packed(self, stream: int, ptr: dict, lse, alloc, arrays: tuple) -> None:  # noqa: ANN001
+        p = self.p
+        cu_q = alloc((p.batch + 1,), "int32")
+        cu_k = alloc((p.batch + 1,), "int32")
+        keys = alloc(self.packed_kv_shape, p.dtype, 0.0)
+        values = alloc(self.packed_kv_shape, p.dtype, 0.0)
+        ptr.update(cu_seqlens_q=cu_q.ptr, cu_seqlens_k=cu_k.ptr, k_new=keys.ptr, v_new=values.ptr)
+        self.pack_offsets(stream, ptr)
+        vec = int(self.gather_vec_ok and _vec_pointers(ptr["k"], ptr["v"]))
+        self.gather(stream, ptr, vec)
+        q_ptr = ptr["q"]
+        if self.q_copy:
+            q_info = replace(self.call.q, obj=arrays[0], ptr=q_ptr)
+            q_ptr = _contiguous_copy(q_info, alloc, stream).ptr
+        lse_packed = alloc(self.packed.lse_shape, p.lse_dtype)
+        launch = (q_ptr, keys.ptr, values.ptr, ptr["o"], lse_packed.ptr)
+        if "alibi" in ptr:
+            launch += (ptr["alibi"],)
+        self.forward.launch(stream, (*launch, cu_q.ptr, cu_k.ptr))
+        _transpose_lse(lse_packed, lse, p, stream)
 
 
 def _dense_view_possible(call: Call) -> bool:
@@ -169,101 +289,22 @@ def _dense_view_possible(call: Call) -> bool:
     )
 
 
-def _dense(call: Call) -> tuple[Any, Any]:
+def _dense(call: Call, arrays: dict[str, Any]) -> tuple[Any, Any]:
     """The dense forward on views of the caches' first rows: no copy of the keys (chunked prefill
     with lengths known on the host runs at the forward's speed)."""
     from . import api
 
     p, cache = call.problem, call.cache
     n = cache.cache_len + cache.seq_new
-    k, v = call.k_cache.obj[:, :n], call.v_cache.obj[:, :n]
     return api.attention_forward(
-        call.q.obj,
-        k,
-        v,
+        arrays["q"],
+        arrays["k"][:, :n],
+        arrays["v"][:, :n],
         window=p.window,
         softcap=p.softcap,
-        alibi_slopes=None if call.alibi is None else call.alibi.obj,
+        alibi_slopes=arrays.get("alibi"),
         scale=p.scale,
     )
-
-
-def _decode(call: Call, run: _Launcher, alloc: CudaAllocator, pointers: dict, o, lse) -> None:
-    p = call.problem
-    spec = _kernels.kvcache_instance("decode", p.dtype, p.head_dim, _dispatch.features(p))
-    device = p.device[1]
-    splits, per_split = split_keys(call, _compile.sm_count(device), blocks_per_sm(spec, device))
-    row_tiles = -(-p.seq_q * p.group // _kernels.DECODE_ROWS)
-    fields = {
-        "num_splits": splits,
-        "keys_per_split": per_split,
-        "num_blocks": row_tiles,
-        "vec": int(_vec(p, call.q, call.k_cache, call.v_cache)),
-    }
-    pointers = {**pointers, "o": o.ptr, "lse": lse.ptr}
-    grid = splits * row_tiles * p.heads_kv * p.batch
-    if splits == 1:
-        run(spec, grid, pointers, **fields)
-        return
-    # rows padded to the head-dim bucket: the combine reads them in float4s
-    accum_shape = (splits * p.batch, p.heads_q, p.seq_q, _kernels.head_dim_bucket(p.head_dim))
-    o_accum = alloc(accum_shape, "float32")
-    lse_accum = alloc(accum_shape[:3], "float32")
-    run.strides["o_accum"] = tuple(c_contiguous_strides(accum_shape)[:3])
-    run.strides["lse_accum"] = tuple(c_contiguous_strides(accum_shape[:3]))
-    pointers = {**pointers, "o_accum": o_accum.ptr, "lse_accum": lse_accum.ptr}
-    run(spec, grid, pointers, **fields)
-    combine = _kernels.kvcache_instance("decode_combine", p.dtype, p.head_dim)
-    run(combine, p.batch * p.heads_q * p.seq_q, pointers, **fields)
-
-
-def _packed(call: Call, run: _Launcher, alloc, pointers: dict, o, lse, poison: bool) -> None:
-    """Chunked prefill and the exact dtypes: the keys in use of every sequence gathered into a
-    packed batch (B * capacity rows, of which the first sum of lengths are used), then the packed
-    forward over it; its lse (Hq, B * Nq) transposed into (B, Hq, Nq)."""
-    from . import _cuda
-
-    p = call.problem
-    total_k = p.batch * p.seq_k
-    cu_q = alloc((p.batch + 1,), "int32")
-    cu_k = alloc((p.batch + 1,), "int32")
-    keys = {name: alloc((total_k, p.heads_kv, p.head_dim), p.dtype, 0.0) for name in ("k", "v")}
-    packed_strides = tuple(c_contiguous_strides((total_k, p.heads_kv, p.head_dim)))
-    run.strides["k_new"] = run.strides["v_new"] = (0, packed_strides[1], packed_strides[0])
-    offsets = {"cu_seqlens_q": cu_q.ptr, "cu_seqlens_k": cu_k.ptr}
-    run(_kernels.kvcache_instance("pack_offsets", "float32"), 1, {**pointers, **offsets})
-    gather = {**pointers, **offsets, "k_new": keys["k"].ptr, "v_new": keys["v"].ptr}
-    vec = int(_vec(p, call.k_cache, call.v_cache))
-    run(_kernels.kvcache_instance("gather", p.dtype), total_k, gather, vec=vec)
-
-    packed = replace(p, packed=True, total_q=p.batch * p.seq_q, total_k=total_k)
-    q_rows = call.q
-    if p.batch > 1 and q_rows.strides[0] != p.seq_q * q_rows.strides[1]:
-        q_rows = _contiguous_copy(call.q, alloc, run.stream)
-    s = q_rows.strides
-    qi = replace(q_rows, shape=packed.q_shape, strides=(s[1], s[2], s[3]))
-
-    def info(name: str, buffer) -> ArrayInfo:
-        return ArrayInfo(
-            buffer.array,
-            name,
-            p.library,
-            p.device,
-            p.dtype,
-            packed.kv_shape,
-            (packed_strides),
-            buffer.ptr,
-        )
-
-    plan = _cuda.ForwardPlan(
-        packed, qi, info("k", keys["k"]), info("v", keys["v"]), poison=poison, alibi=call.alibi
-    )
-    lse_packed = alloc(packed.lse_shape, p.lse_dtype)
-    ptrs = (qi.ptr, keys["k"].ptr, keys["v"].ptr, o.ptr, lse_packed.ptr)
-    if call.alibi is not None:
-        ptrs += (call.alibi.ptr,)
-    plan.launch(run.stream, (*ptrs, cu_q.ptr, cu_k.ptr))
-    _transpose_lse(lse_packed, lse, p, run.stream)
 
 
 def _cupy_of(buffer_ptr: int, shape, strides, dtype: str, owner, device: int):

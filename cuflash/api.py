@@ -383,6 +383,27 @@ def attention_with_kvcache(
     """
     from . import _kvcache
 
+    named = (
+        (q, "q"),
+        (k_cache, "k_cache"),
+        (v_cache, "v_cache"),
+        (cache_seqlens if _kvcache.is_array(cache_seqlens) else None, "cache_seqlens"),
+        (k_new, "k_new"),
+        (v_new, "v_new"),
+        (block_table, "block_table"),
+        (alibi_slopes, "alibi_slopes"),
+    )
+    arrays = tuple(a for a, _ in named if a is not None)
+    key = None
+    if not check_inputs:  # checked calls read the lengths and pages every time
+        base = _plans.signature("kvcache", arrays, causal, window, softcap, scale, "bshd")
+        if base is not None:
+            present = tuple(name for a, name in named if a is not None)
+            lengths = None if _kvcache.is_array(cache_seqlens) else cache_seqlens
+            key = (*base, present, type(lengths), lengths, type(num_splits), num_splits)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan.run(arrays, tuple(_plans.pointers(arrays)))
     call = _kvcache.check(
         q,
         k_cache,
@@ -403,4 +424,8 @@ def attention_with_kvcache(
         return _kvcache.cpu_forward(call)
     from . import _kvcache_cuda
 
-    return _kvcache_cuda.forward(call, poison_outputs())
+    plan = _kvcache_cuda.KVCachePlan(call, poison_outputs())
+    _plans.put(key, plan)
+    infos = (call.q, call.k_cache, call.v_cache, call.cache_seqlens, call.k_new, call.v_new)
+    infos += (call.block_table, call.alibi)
+    return plan.run(arrays, tuple(i.ptr for i in infos if i is not None))
