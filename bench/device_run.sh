@@ -23,8 +23,10 @@
 #               chunked prefill against the forward, $KVCACHE_ARGS
 #     ring      bench/bench_ring.py under torchrun, one process per GPU (weak scaling of ring
 #               attention; the multi-GPU kinds), $RING_ARGS
+#   TESTS narrows the tests mode to some paths (default: tests)
 #   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use);
-#   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances)
+#   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances;
+#   "--family forward decode decode_combine append gather pack_offsets": what the KV cache runs)
 #   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
@@ -171,7 +173,7 @@ if has sanitize; then
 fi
 
 if has tests; then
-  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest tests -q \
+  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest ${TESTS:-tests} -q \
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
     --junitxml "$LOGS/junit.xml" "$@" > "$LOGS/tests.log" 2>&1
   say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/tests.log" | tail -1)"

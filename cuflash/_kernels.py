@@ -377,7 +377,7 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     """Every instance the library's dispatch can launch on `arch` (cuflash/_dispatch.py): what
     the compile check must cover."""
-    specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs()
+    specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs(arch)
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:
@@ -485,15 +485,23 @@ _CPP_STORAGE = {
 }
 
 
+def decode_bulk(arch: str) -> bool:
+    """Whether the decoding kernel has its key and value rows copied by the TMA unit (bulk copies,
+    sm_90) rather than with cp.async (kernels_cu/kvcache.cu, BULK)."""
+    return arch == "sm_90a"
+
+
 def decode_stages(head_dim: int) -> int:
     """Key/value stages of the decoding kernel: three up to d = 128, two above (shared memory)."""
     return 3 if head_dim_bucket(head_dim) <= 128 else 2
 
 
 @cache
-def kvcache_instance(family: str, dtype: str, head_dim: int = 0, features: int = 0) -> KernelSpec:
+def kvcache_instance(
+    family: str, dtype: str, head_dim: int = 0, features: int = 0, bulk: bool = False
+) -> KernelSpec:
     """An instance of kernels_cu/kvcache.cu: family "append", "decode", "decode_combine",
-    "pack_offsets" or "gather"."""
+    "pack_offsets" or "gather"; `bulk`: the decoding kernel's bulk-copy loads (decode_bulk)."""
     if dtype not in DTYPES:
         raise ValueError(f"no kernel for dtype {dtype!r}")
     if family in ("append", "gather") and dtype == "bfloat16":
@@ -524,17 +532,20 @@ def kvcache_instance(family: str, dtype: str, head_dim: int = 0, features: int =
         raise ValueError(f"no KV-cache kernel family {family!r}")
     stages = decode_stages(hd)
     smem = (DECODE_ROWS + 2 * stages * DECODE_KEYS) * (hd + 8) * 2 + 2 * 2 * DECODE_KEYS * 8
-    expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {features}>"
+    smem += 8 * stages if bulk else 0  # a barrier per stage
+    flag = "true" if bulk else "false"
+    expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {flag}, {features}>"
     return spec(expr, DECODE_THREADS, smem, hd, DECODE_ROWS, DECODE_KEYS)
 
 
-def kvcache_specs() -> set[KernelSpec]:
-    """Every KV-cache instance the library can launch (the packed forward's are in all_specs)."""
+def kvcache_specs(arch: str = "sm_80") -> set[KernelSpec]:
+    """Every KV-cache instance the library can launch on `arch` (the packed forward's are in
+    all_specs)."""
     specs = {kvcache_instance(f, dt) for f in ("append", "gather") for dt in DTYPES}
     specs.add(kvcache_instance("pack_offsets", "float32"))
     for dt in TENSOR_CORE_DTYPES:
         for hd in HEAD_DIM_BUCKETS:
             specs.add(kvcache_instance("decode_combine", dt, hd))
             for features in DECODE_FEATURE_SETS:
-                specs.add(kvcache_instance("decode", dt, hd, features))
+                specs.add(kvcache_instance("decode", dt, hd, features, decode_bulk(arch)))
     return specs

@@ -35,6 +35,12 @@ def _lse_bhs(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return tuple(c_contiguous_strides(shape))  # (B, H, N)
 
 
+def decode_instance(p: Problem) -> _kernels.KernelSpec:
+    """The decoding kernel for this problem on its device."""
+    bulk = _kernels.decode_bulk(_compile.device_arch(p.device[1]))
+    return _kernels.kvcache_instance("decode", p.dtype, p.head_dim, _dispatch.features(p), bulk)
+
+
 def uses_decode(call: Call) -> bool:
     """Whether the call runs the split-KV decoding kernel (else the packed forward)."""
     p = call.problem
@@ -42,7 +48,7 @@ def uses_decode(call: Call) -> bool:
         return False
     if p.seq_q * p.group > _kernels.DECODE_MAX_ROWS:
         return False
-    spec = _kernels.kvcache_instance("decode", p.dtype, p.head_dim)
+    spec = decode_instance(p)
     return spec.smem_bytes <= _compile.max_shared_memory(p.device[1])
 
 
@@ -111,12 +117,24 @@ class _Ready:
         _launch.launch(self.loaded, self.grid, self.device, stream, args.address)
 
 
+def _without_arrays(call: Call) -> Call:
+    """The call's metadata: every ArrayInfo with its array and pointer dropped."""
+    fields = ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table", "alibi")
+    infos = {name: getattr(call, name) for name in fields}
+    return replace(
+        call, **{n: replace(i, obj=None, ptr=0) for n, i in infos.items() if i is not None}
+    )
+
+
 class KVCachePlan:
     """attention_with_kvcache for one call signature (shapes, strides, dtypes, device, options):
     the launches chosen and made ready once; a call passes its arrays' pointers (in the order of
     `inputs`) and gets (o, lse) in q's library."""
 
     def __init__(self, call: Call, poison: bool) -> None:
+        # The plan outlives the call (cuflash/_plans.py): it keeps the arrays' metadata, never the
+        # arrays, which would otherwise stay allocated as long as the plan is cached.
+        call = _without_arrays(call)
         p, cache = call.problem, call.cache
         self.call, self.p, self.poison = call, p, poison
         self.device = p.device[1]
@@ -180,7 +198,7 @@ class KVCachePlan:
 
     def _make_decode(self) -> None:
         p, device = self.p, self.device
-        spec = _kernels.kvcache_instance("decode", p.dtype, p.head_dim, _dispatch.features(p))
+        spec = decode_instance(p)
         splits, per_split = split_keys(
             self.call, _compile.sm_count(device), blocks_per_sm(spec, device)
         )

@@ -1,10 +1,11 @@
 """Compile kernel instances ahead of time into CuPy's disk cache, in parallel processes.
 
     python -m cuflash.precompile [--dtype bfloat16 ...] [--head-dim 64 128 ...] [--features 8 9 ...]
-                                 [--jobs N]
+                                 [--family decode forward ...] [--jobs N]
 
 Compiles every instance the dispatch can launch on GPU 0 (cuflash/_kernels.py, all_specs) for
-the dtypes, head dims and feature sets (sums of _kernels.FEATURE_* bits) asked for, so that a
+the dtypes, head dims, feature sets (sums of _kernels.FEATURE_* bits) and kernel families asked
+for, so that a
 first call only loads a binary. The parent prints each instance's compile time.
 """
 
@@ -29,12 +30,16 @@ def _compile_one(spec: _kernels.KernelSpec) -> tuple[str, float]:
 
 
 def selected(
-    arch: str, dtypes: list[str], head_dims: list[int], features: list[int] | None = None
+    arch: str,
+    dtypes: list[str],
+    head_dims: list[int],
+    features: list[int] | None = None,
+    families: list[str] | None = None,
 ) -> list[_kernels.KernelSpec]:
     buckets = {_kernels.head_dim_bucket(d) for d in head_dims}
 
     def wanted(s: _kernels.KernelSpec) -> bool:
-        if s.dtype not in dtypes:
+        if s.dtype not in dtypes or (families is not None and s.family not in families):
             return False
         if s.head_dim == 0:  # no head dim or features: the preprocess, the KV cache's copies
             return True
@@ -63,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--features", nargs="+", type=int, choices=_kernels.FEATURE_SETS, default=None
     )
+    families = sorted({s.family for s in _kernels.all_specs("sm_90a")})
+    parser.add_argument("--family", nargs="+", choices=families, default=None)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     from . import _compile
 
-    work = selected(_compile.device_arch(0), args.dtype, args.head_dim, args.features)
+    work = selected(_compile.device_arch(0), args.dtype, args.head_dim, args.features, args.family)
     start = time.perf_counter()
     # spawned workers: this process has initialised CUDA (device_arch), which forked ones inherit
     # in a state they cannot use

@@ -23,6 +23,7 @@
 #include "features.cuh"
 #include "softmax.cuh"
 #include "gemm.cuh"
+#include "tma.cuh"
 
 namespace cuflash {
 
@@ -175,6 +176,29 @@ struct OffsetSource {
   }
 };
 
+// One row of HD elements of a key or value tile on the bulk-copy path (BULK, sm_90): `src` (a
+// pointer, or null for a row of zeros) into `dst`, completing on `bar` (one arrival per thread and
+// tile). With 16-byte copies (`vec`) the TMA unit copies the row's d elements; columns d .. HD were
+// zeroed at the start and no copy writes them. Otherwise the thread stores the row itself (zeros,
+// or an unaligned row element by element) and fences its stores from a later bulk copy into it.
+template <int HD>
+__device__ __forceinline__ void bulk_row(unsigned short* dst, const unsigned short* src, int d,
+                                         bool vec, unsigned long long* bar) {
+  if (src != nullptr && vec) {
+    mbar_arrive_expect_tx(bar, 2u * d);
+    bulk_load(dst, src, 2u * d, bar);
+    return;
+  }
+  if (src == nullptr) {
+#pragma unroll
+    for (int c = 0; c < HD; c += 8) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int c = 0; c < HD; ++c) dst[c] = c < d ? src[c] : static_cast<unsigned short>(0);
+  }
+  fence_proxy_async_shared();
+  mbar_arrive(bar);
+}
+
 // O += P V for one warp's 16 keys with CUDA-core products that skip P = 0, so that a hidden key's
 // Inf or NaN in V never reaches a row (the tensor cores compute 0 x NaN = NaN). P is rounded to
 // Elem as the tensor-core path rounds it. Lane 4 g + t holds P[g][j], P[g + 8][j] for its keys
@@ -207,7 +231,7 @@ __device__ __forceinline__ void pv_skipping_zeros(float (&acc)[1][NT_O][4], cons
   }
 }
 
-template <typename Elem, int HD, int STAGES, int FEATURES>
+template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES>
 struct DecodeTraits {
   static constexpr int PITCH = HD + 8;  // +16 bytes a row: conflict-free ldmatrix
   static constexpr int NT_O = HD / 8;
@@ -216,22 +240,27 @@ struct DecodeTraits {
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages), then the
-  // K and V row offsets of two key tiles
-  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2 + 2 * 2 * DECODE_BN * 8;
+  // K and V row offsets of two key tiles, then (BULK) a barrier per stage
+  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2 +
+                              2 * 2 * DECODE_BN * 8 + (BULK ? STAGES * 8 : 0);
   static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * DECODE_BN * PITCH * 2,
                 "the warps' partial outputs fit where the key and value tiles were");
 };
 
-template <typename Elem, int HD, int STAGES, int FEATURES>
+// BULK (sm_90): each thread has one row of every key/value tile copied by the TMA unit
+// (bulk_row), completing on the stage's barrier, where cp.async copies take 16 instructions a
+// thread and occupy the multiprocessor's load tracking (docs/perf/NOTES.md, v15).
+template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode(const __grid_constant__ Params p) {
-  typedef DecodeTraits<Elem, HD, STAGES, FEATURES> Tr;
+  typedef DecodeTraits<Elem, HD, STAGES, BULK, FEATURES> Tr;
   constexpr int PITCH = Tr::PITCH, NT_O = Tr::NT_O, BN = DECODE_BN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
   unsigned short* sK = sQ + DECODE_ROWS * PITCH;      // STAGES tiles of BN rows
   unsigned short* sV = sK + STAGES * BN * PITCH;
   i64* s_offsets = reinterpret_cast<i64*>(sV + STAGES * BN * PITCH);  // [buffer][K, V][BN]
+  unsigned long long* s_full = reinterpret_cast<unsigned long long*>(s_offsets + 2 * 2 * BN);
 
   // block -> (KV head, split, row tile, sequence), KV heads adjacent: the blocks that run
   // together read the same cache rows' heads, whole rows of a (B, N, Hkv, d) cache between them.
@@ -266,17 +295,31 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   // tiles look their rows up as they copy; later tiles read offsets looked up one iteration ahead
   // (`lookup`), so that no copy waits on a block table read.
   constexpr int HALF = Tr::THREADS / 2;
+  static_assert(!BULK || HALF == BN, "BULK: a thread per key row and per value row");
+  // BULK: thread r < BN has key row r copied, thread BN + r value row r.
+  const bool loads_k = threadIdx.x < BN;
+  const int bulk_r = loads_k ? threadIdx.x : threadIdx.x - BN;
   auto load_kv_direct = [&](int t, int stage) {
     const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_begin, key_end};
     const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_begin, key_end};
-    load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
-    load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
+    if constexpr (BULK) {
+      unsigned short* tile = (loads_k ? sK : sV) + stage * BN * PITCH;
+      bulk_row<HD>(tile + bulk_r * PITCH, loads_k ? ks(bulk_r) : vs(bulk_r), d, vec, &s_full[stage]);
+    } else {
+      load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
+      load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
+    }
   };
   auto load_kv = [&](int t, int stage) {
     const i64* offsets = s_offsets + (t & 1) * 2 * BN;
-    load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, OffsetSource{k_base, offsets}, d, vec);
-    load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, OffsetSource{v_base, offsets + BN}, d,
-                                         vec);
+    const OffsetSource ks{k_base, offsets}, vs{v_base, offsets + BN};
+    if constexpr (BULK) {
+      unsigned short* tile = (loads_k ? sK : sV) + stage * BN * PITCH;
+      bulk_row<HD>(tile + bulk_r * PITCH, loads_k ? ks(bulk_r) : vs(bulk_r), d, vec, &s_full[stage]);
+    } else {
+      load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
+      load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
+    }
   };
   auto lookup = [&](int t) {
     if (threadIdx.x < BN) {
@@ -289,10 +332,25 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
   };
   load_rows<DECODE_ROWS, HD, PITCH, 0, Tr::THREADS>(sQ, q_src, d, vec);
+  if constexpr (BULK) {
+    // The barriers; and columns d .. HD of every stage, which the bulk copies never write.
+    cp_async_commit();
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) mbar_init(&s_full[s], Tr::THREADS);
+      fence_barrier_init();
+    }
+    if (d < HD) {
+      for (int idx = threadIdx.x; idx < 2 * STAGES * BN * HD; idx += Tr::THREADS)
+        sK[(idx / HD) * PITCH + idx % HD] = 0;  // sV follows sK: rows 2 STAGES BN in all
+      fence_proxy_async_shared();
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < tiles) load_kv_direct(tile0 + s, s);
-    cp_async_commit();
+    if constexpr (!BULK) cp_async_commit();
   }
   if (STAGES - 1 < tiles) lookup(tile0 + STAGES - 1);
 
@@ -317,11 +375,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   OnlineSoftmax<1> softmax;
   softmax.init(p.p_shift);
 
+  if constexpr (BULK) cp_async_wait<0>();  // Q
   for (int it = 0; it < tiles; ++it) {
-    cp_async_wait<STAGES - 2>();
+    if constexpr (BULK) mbar_wait(&s_full[it % STAGES], (it / STAGES) & 1);
+    else cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile it has landed; every warp is done with the stage loaded next
     if (it + STAGES - 1 < tiles) load_kv(tile0 + it + STAGES - 1, (it + STAGES - 1) % STAGES);
-    cp_async_commit();
+    if constexpr (!BULK) cp_async_commit();
     if (it + STAGES < tiles) lookup(tile0 + it + STAGES);  // read after the next iteration's sync
     const int stage = it % STAGES;
     const unsigned short* sKw = sK + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;

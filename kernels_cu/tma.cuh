@@ -83,6 +83,18 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uns
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16) from global memory at `src` to shared memory at `dst` (both
+// 16-byte aligned) on the TMA unit, completing `bytes` of the barrier's expected transaction count:
+// the bulk copy without a tensor map, for rows whose addresses come from a table (paged caches).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // Copies the box at `src` (shared memory, 1024-byte aligned, in the map's swizzled layout) to the
 // coordinates (c0, c1, c2, c3) of a 4-D tensor map in global memory. Unlike tma_load_4d, callers
 // keep the box inside the tensor: on the H100 a store of a box that starts before row 0 faults,

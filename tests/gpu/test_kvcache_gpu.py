@@ -582,6 +582,31 @@ def test_two_identical_calls_give_the_same_bits(dtype, num_splits):
         assert bitwise_equal(x.k_cache, caches[0]) and bitwise_equal(x.v_cache, caches[1])
 
 
+@pytest.mark.parametrize("route", ["decode", "packed", "dense"])
+def test_the_cached_plan_keeps_no_array_alive(route):
+    # Plans are cached per call signature (cuflash/_plans.py); one that held the caller's arrays
+    # kept every cache it had seen allocated (a benchmark ran out of memory so).
+    import gc
+    import weakref
+
+    dtype = torch.float32 if route == "packed" else torch.bfloat16
+    q = torch.randn(2, 1 if route == "decode" else 80, 4, 64, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(2, 256, 2, 64, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(2, 1, 2, 64, device=DEVICE, dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    lens = 100 if route == "dense" else torch.tensor([100, 7], device=DEVICE, dtype=torch.int32)
+    o, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new)
+    sync()
+    assert o.shape == q.shape and torch.isfinite(o).all()
+    refs = [weakref.ref(t) for t in (q, k_cache, v_cache, k_new, v_new)]
+    if route != "dense":
+        refs.append(weakref.ref(lens))
+    del q, k_cache, v_cache, k_new, v_new, lens
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
     """cuflash.jax.attention_with_kvcache (jit, JAX GPU arrays) gives the plain API's o and lse
