@@ -14,12 +14,18 @@ Grid (issue 18): bf16, d = 128, Hq = 32, Hkv = 8, Nq = 1; B in {1, 8, 64}; cache
 Then chunked prefill: Nq = 512 queries on a 32k cache, against cuflash.attention_forward on the
 same keys (the dense forward kernel's TFLOP/s).
 
-    python bench/bench_kvcache.py [--quick] [--out DIR]
+    python bench/bench_kvcache.py [--quick] [--out DIR] [--baseline-kernels DIR] [--stages N]
+
+A/B of the decoding kernel in the same run: --baseline-kernels DIR times the contiguous points
+again with the kernel sources of DIR (another checkout's kernels_cu/, with the same Params and
+template arguments) and reports base time / this time; --stages N times them with N key/value
+stages in place of the table's choice (_kernels.decode_stages), reported the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,6 +39,33 @@ import cuflash  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DEV = "cuda"
+VARIANTS: dict[str, dict] = {}  # name -> {"kernels": DIR or None, "stages": N or None}
+
+
+@contextlib.contextmanager
+def variant(kernels: str | None = None, stages: int | None = None):
+    """The decoding kernel built from other sources, or with other stages, inside the block: the
+    compiled modules, plans and sources are dropped on the way in and out."""
+    from cuflash import _compile, _kernels, _plans
+
+    def reset() -> None:
+        _compile._loaded.clear()
+        _plans.clear()
+        _kernels.expanded_source.cache_clear()
+        _kernels.compiled_source.cache_clear()
+        _kernels.kvcache_instance.cache_clear()
+
+    saved = (_kernels.kernel_dir, _kernels.decode_stages)
+    if kernels is not None:
+        _kernels.kernel_dir = lambda: Path(kernels)
+    if stages is not None:
+        _kernels.decode_stages = lambda head_dim: stages
+    reset()
+    try:
+        yield
+    finally:
+        _kernels.kernel_dir, _kernels.decode_stages = saved
+        reset()
 
 
 def graph_time(fn, reps: int = 20, rounds: int = 5) -> float:
@@ -109,9 +142,11 @@ def decode_point(batch: int, keys: int, page: int | None, bandwidth: float, peer
         k_cache = torch.randn(pages, page, HKV, D, device=DEV, dtype=dtype)
         table = torch.randperm(pages, device=DEV).view(batch, -1).to(torch.int32)
     v_cache = torch.randn_like(k_cache)
-    t = graph_time(
-        lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table)
-    )
+
+    def run():
+        return cuflash.attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table)
+
+    t = graph_time(run)
     moved = 2 * batch * keys * HKV * D * 2 + 2 * q.numel() * 2  # K and V read, q read, o written
     row = {
         "batch": batch,
@@ -122,6 +157,10 @@ def decode_point(batch: int, keys: int, page: int | None, bandwidth: float, peer
         "gbps": moved / t / 1e9,
         "of_copy": moved / t / bandwidth,
     }
+    if page is None:
+        for name, how in VARIANTS.items():
+            with variant(**how):
+                row[f"x_{name}"] = graph_time(run) / t  # the variant's time / this one's
     if peers and page is None:
         from torch.nn.attention import SDPBackend
 
@@ -172,7 +211,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="B in {1, 64}, 8k and 128k only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--baseline-kernels", default=None, help="another checkout's kernels_cu")
+    parser.add_argument("--stages", type=int, default=None, help="decoding stages to compare")
     args = parser.parse_args()
+    if args.baseline_kernels:
+        VARIANTS["base"] = {"kernels": args.baseline_kernels}
+    if args.stages:
+        VARIANTS[f"stages{args.stages}"] = {"stages": args.stages}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth()
@@ -197,7 +242,8 @@ def main() -> None:
         "same as views of (B, Hkv, N, d), SDPA's layout, on which SDPA runs\n"
         "(x: SDPA time / cuflash's on that layout)",
         f"{'B':>3} {'keys':>7} {'MiB':>7} | {'contig':>6} {'page64':>6} {'page256':>7} "
-        f"{'bhsd':>6} | {'SDPA flash':>12} {'SDPA cudnn':>12}",
+        f"{'bhsd':>6} | {'SDPA flash':>12} {'SDPA cudnn':>12}"
+        + "".join(f" | x {name:>7}" for name in VARIANTS),
     ]
     for batch in batches:
         for keys in lengths:
@@ -214,6 +260,7 @@ def main() -> None:
                 f"{cells[64]['of_copy']:>6.2f} {cells[256]['of_copy']:>7.2f} "
                 f"{c['bhsd_of_copy']:>6.2f} | "
                 f"{peer('flash')} {peer('cudnn')}"
+                + "".join(f" | {c[f'x_{name}']:>9.3f}" for name in VARIANTS)
             )
     gathered, views = prefill["kvcache_tflops"], prefill["kvcache_int_tflops"]
     lines.append(
@@ -221,6 +268,11 @@ def main() -> None:
         f"a tensor (keys gathered) {gathered:.0f} ({prefill['ratio']:.2f}x the forward), an int "
         f"(views) {views:.0f}, forward on the same keys {prefill['forward_tflops']:.0f}"
     )
+    if VARIANTS:
+        lines.append(
+            "x NAME: the time of variant NAME over this one's, contiguous caches: "
+            + ", ".join(f"{name} = {how}" for name, how in VARIANTS.items())
+        )
     table = "\n".join(lines)
     (out / "kvcache_table.txt").write_text(table + "\n")
     print(table)

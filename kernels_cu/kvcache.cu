@@ -370,6 +370,24 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     mod[h] = Tr::ScoreMod::of(p, b, rows.real(r) ? rows.head(r) : rows.head(0), unit, ext);
   }
 
+  // The per-tile savings below (Q in registers, the mask only on tiles that need it, the rescale
+  // skipped where no row max moved) where registers allow: on sm_90 (BULK, whose loads take
+  // fewer registers) up to HD = 128. At HD = 256, and on sm_80 at HD = 128, the kernel spilled
+  // with them (docs/perf/NOTES.md, v15).
+  constexpr bool LEAN_TILES = BULK && HD <= 128;
+  // Keys that every row of the block sees and that are loaded: tiles inside them skip the mask.
+  const int every_begin = max(key_begin, mask.keys_of(rows.position(last_r)).first);
+  const int every_end = min(key_end, mask.keys_of(rows.position(0)).last + 1);
+  // Q as A fragments, held through the loop where registers allow (HD <= 128), else read from
+  // shared memory at each tile.
+  constexpr bool Q_IN_REGISTERS = LEAN_TILES;
+  unsigned q_frags[1][Q_IN_REGISTERS ? Tr::K_QK : 1][4];
+  if constexpr (Q_IN_REGISTERS) {
+    cp_async_wait<0>();  // Q (and, without BULK, the prologue's tiles)
+    __syncthreads();
+    load_a_frags<1, Tr::K_QK, PITCH>(q_frags, sQ, lane);
+  }
+
   float acc_o[1][NT_O][4];
   fill(acc_o, 0.f);
   OnlineSoftmax<1> softmax;
@@ -390,24 +408,34 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 
     float s[1][2][4];
     fill(s, 0.f);
-    gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
-    bool hides_data = false;  // a real row does not see a key whose row of V was loaded
+    if constexpr (Q_IN_REGISTERS) gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH>(s, q_frags, sKw, lane);
+    else gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
+    const int tile_n0 = (tile0 + it) * BN;
+    const bool masked = !LEAN_TILES || tile_n0 < every_begin || tile_n0 + BN > every_end;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
-        float x = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
-        // the band of mask.cuh; keys outside the split or past the keys in use are hidden too
-        // (their rows were not loaded: zeros)
-        const bool loaded = j >= key_begin && j < key_end;
-        if (!loaded || !mask.visible(pos[h], j)) {
-          x = -inf_f32();
-          hides_data |= loaded && real[h];
-        }
-        s[0][nt][e] = x;
+        s[0][nt][e] = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
       }
-    softmax.update(s, acc_o, scale_log2);
+    bool hides_data = false;  // a real row does not see a key whose row of V was loaded
+    if (masked) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
+          // the band of mask.cuh; keys outside the split or past the keys in use are hidden too
+          // (their rows were not loaded: zeros)
+          const bool loaded = j >= key_begin && j < key_end;
+          if (!loaded || !mask.visible(pos[h], j)) {
+            s[0][nt][e] = -inf_f32();
+            hides_data |= loaded && real[h];
+          }
+        }
+    }
+    softmax.template update<2, NT_O, LEAN_TILES>(s, acc_o, scale_log2);
     // O += P V: on the tensor cores, except where a row does not see a loaded key: there 0 x an
     // Inf or NaN of V would reach the row, so those tiles take exact products that skip P = 0
     // (rare: the last keys under a causal mask with Nq > 1, a window's edges)

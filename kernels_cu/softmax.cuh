@@ -37,9 +37,13 @@ struct OnlineSoftmax {
   // m_new = max(m, rowmax(S)); acc *= exp(m - m_new); S <- P = exp(S - m_new); l = alpha l + rowsum(P).
   // A row that has seen no key yet keeps m = -inf; exponents then use 0 in place of m_new so that
   // no -inf - -inf = NaN appears (its P and alpha are 0).
-  template <int NT_S, int NT_O>
+  // SKIP_UNIT: the warp skips the rescale of acc where no lane's row max moved (alpha = 1 for
+  // every row: most tiles of a long row), at the cost of a vote (the decoding kernel, whose
+  // per-tile work is small beside the rescale of its 16-row accumulator).
+  template <int NT_S, int NT_O, bool SKIP_UNIT = false>
   __device__ __forceinline__ void update(float (&s)[MT][NT_S][4], float (&acc)[MT][NT_O][4],
                                          float scale_log2) {
+    float alphas[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -64,13 +68,22 @@ struct OnlineSoftmax {
           }
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          acc[mt][nt][2 * r] *= alpha;
-          acc[mt][nt][2 * r + 1] *= alpha;
-        }
+        alphas[mt][r] = alpha;
       }
     }
+    bool unit = true;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) unit = unit && alphas[mt][0] == 1.f && alphas[mt][1] == 1.f;
+    if (SKIP_UNIT && __all_sync(0xffffffffu, unit)) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          acc[mt][nt][2 * r] *= alphas[mt][r];
+          acc[mt][nt][2 * r + 1] *= alphas[mt][r];
+        }
   }
 
   // O = acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0, lse = -inf.
