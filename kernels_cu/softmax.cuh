@@ -69,21 +69,30 @@ struct OnlineSoftmax {
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
         alphas[mt][r] = alpha;
+        if constexpr (!SKIP_UNIT) rescale_row(acc, mt, r, alpha);
       }
     }
-    bool unit = true;
+    if constexpr (SKIP_UNIT) {
+      bool unit = true;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) unit = unit && alphas[mt][0] == 1.f && alphas[mt][1] == 1.f;
-    if (SKIP_UNIT && __all_sync(0xffffffffu, unit)) return;
+      for (int mt = 0; mt < MT; ++mt) unit = unit && alphas[mt][0] == 1.f && alphas[mt][1] == 1.f;
+      if (__all_sync(0xffffffffu, unit)) return;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+        for (int r = 0; r < 2; ++r) rescale_row(acc, mt, r, alphas[mt][r]);
+    }
+  }
+
+  // acc row r of m-tile mt *= alpha
+  template <int NT_O>
+  static __device__ __forceinline__ void rescale_row(float (&acc)[MT][NT_O][4], int mt, int r,
+                                                     float alpha) {
 #pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          acc[mt][nt][2 * r] *= alphas[mt][r];
-          acc[mt][nt][2 * r + 1] *= alphas[mt][r];
-        }
+    for (int nt = 0; nt < NT_O; ++nt) {
+      acc[mt][nt][2 * r] *= alpha;
+      acc[mt][nt][2 * r + 1] *= alpha;
+    }
   }
 
   // O = acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0, lse = -inf.
