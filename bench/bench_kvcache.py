@@ -15,11 +15,13 @@ Then chunked prefill: Nq = 512 queries on a 32k cache, against cuflash.attention
 same keys (the dense forward kernel's TFLOP/s).
 
     python bench/bench_kvcache.py [--quick] [--out DIR] [--baseline-kernels DIR] [--stages N]
+                                  [--serial]
 
 A/B of the decoding kernel in the same run: --baseline-kernels DIR times the contiguous points
 again with the kernel sources of DIR (another checkout's kernels_cu/, with the same Params and
 template arguments) and reports base time / this time; --stages N times them with N key/value
-stages in place of the table's choice (_kernels.decode_stages), reported the same way.
+stages in place of the table's choice (_kernels.decode_stages), and --serial with the combine
+launched the ordinary way instead of programmatically (sm_90), each reported the same way.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ import cuflash  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DEV = "cuda"
-VARIANTS: dict[str, dict] = {}  # name -> {"kernels": DIR or None, "stages": N or None}
+VARIANTS: dict[str, dict] = {}  # name -> variant()'s arguments
 
 
 @contextlib.contextmanager
-def variant(kernels: str | None = None, stages: int | None = None):
-    """The decoding kernel built from other sources, or with other stages, inside the block: the
-    compiled modules, plans and sources are dropped on the way in and out."""
-    from cuflash import _compile, _kernels, _plans
+def variant(kernels: str | None = None, stages: int | None = None, serial: bool = False):
+    """The decoding kernel built from other sources, or with other stages, or (serial) the
+    combine launched the ordinary way, not programmatically, inside the block: the compiled
+    modules, plans and sources are dropped on the way in and out."""
+    from cuflash import _compile, _kernels, _launch, _plans
 
     def reset() -> None:
         _compile._loaded.clear()
@@ -55,7 +58,10 @@ def variant(kernels: str | None = None, stages: int | None = None):
         _kernels.compiled_source.cache_clear()
         _kernels.kvcache_instance.cache_clear()
 
-    saved = (_kernels.kernel_dir, _kernels.decode_stages)
+    saved = (_kernels.kernel_dir, _kernels.decode_stages, _launch.launch)
+    if serial:
+        launch = _launch.launch
+        _launch.launch = lambda *args, programmatic=False: launch(*args[:5])
     if kernels is not None:
         _kernels.kernel_dir = lambda: Path(kernels)
     if stages is not None:
@@ -64,7 +70,7 @@ def variant(kernels: str | None = None, stages: int | None = None):
     try:
         yield
     finally:
-        _kernels.kernel_dir, _kernels.decode_stages = saved
+        _kernels.kernel_dir, _kernels.decode_stages, _launch.launch = saved
         reset()
 
 
@@ -213,7 +219,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--baseline-kernels", default=None, help="another checkout's kernels_cu")
     parser.add_argument("--stages", type=int, default=None, help="decoding stages to compare")
+    parser.add_argument(
+        "--serial", action="store_true", help="compare with the combine launched the ordinary way"
+    )
     args = parser.parse_args()
+    if args.serial:
+        VARIANTS["serial"] = {"serial": True}
     if args.baseline_kernels:
         VARIANTS["base"] = {"kernels": args.baseline_kernels}
     if args.stages:

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _compile, _dispatch, _kernels, _launch, _params
 from ._dlpack import c_contiguous_strides
-from ._interop import ArrayInfo, CudaAllocator, stream_getter
+from ._interop import ArrayInfo, CudaAllocator, cupy_stream, stream_getter
 from ._kvcache import Call
 from ._problem import Problem
 from ._validate import alibi_strides
@@ -102,9 +102,12 @@ class _Ready:
     pointers (and, where the kernel copies in 16-byte units, whether this call's pointers allow
     them) into its thread's copy of the arguments."""
 
-    def __init__(self, spec, grid: int, params, tensors: tuple[str, ...], device: int) -> None:  # noqa: ANN001
+    def __init__(  # noqa: ANN001
+        self, spec, grid: int, params, tensors: tuple[str, ...], device: int, programmatic=False
+    ) -> None:
         self.loaded = _compile.load(spec, device)
         self.grid, self.params, self.tensors, self.device = grid, params, tensors, device
+        self.programmatic = programmatic  # a programmatic launch (cuflash/_launch.py)
         self._threads = threading.local()
 
     def __call__(self, stream: int, pointers: dict[str, int], vec: int | None = None) -> None:
@@ -114,7 +117,7 @@ class _Ready:
         args.set_pointers(tuple(pointers[name] for name in self.tensors))
         if vec is not None:
             args.params.vec = vec
-        _launch.launch(self.loaded, self.grid, self.device, stream, args.address)
+        _launch.launch(self.loaded, self.grid, self.device, stream, args.address, self.programmatic)
 
 
 def _without_arrays(call: Call) -> Call:
@@ -189,16 +192,19 @@ class KVCachePlan:
             self.route = "packed"
             self._make_packed()
 
-    def _ready(self, spec, grid: int, tensors: tuple[str, ...], problem=None, **fields) -> _Ready:  # noqa: ANN001
+    def _ready(  # noqa: ANN001
+        self, spec, grid: int, tensors: tuple[str, ...], problem=None, programmatic=False, **fields
+    ) -> _Ready:
         """A launch whose Params hold the problem, the cache fields and `fields`; its pointers
         are `tensors` plus the call's optional inputs (lengths, block table, slopes)."""
         extras = tuple(n for n in ("seqused_k", "block_table", "alibi") if n in self.inputs)
         params = _params.fill(problem or self.p, self.strides, **self.fields, **fields)
-        return _Ready(spec, grid, params, tensors + extras, self.device)
+        return _Ready(spec, grid, params, tensors + extras, self.device, programmatic)
 
     def _make_decode(self) -> None:
         p, device = self.p, self.device
         spec = decode_instance(p)
+        self.bulk = _kernels.decode_bulk(_compile.device_arch(device))
         splits, per_split = split_keys(
             self.call, _compile.sm_count(device), blocks_per_sm(spec, device)
         )
@@ -215,7 +221,11 @@ class KVCachePlan:
             self.strides["lse_accum"] = tuple(c_contiguous_strides(self.accum_shape[:3]))
             tensors += ("o_accum", "lse_accum")
             combine = _kernels.kvcache_instance("decode_combine", p.dtype, p.head_dim)
-            self.combine = self._ready(combine, p.batch * p.heads_q * p.seq_q, tensors, **fields)
+            # With bulk copies (sm_90) the combine's blocks may start while the decoding
+            # kernel's last ones run, and wait for its results there (kernels_cu/kvcache.cu)
+            self.combine = self._ready(
+                combine, p.batch * p.heads_q * p.seq_q, tensors, programmatic=self.bulk, **fields
+            )
         self.decode = self._ready(spec, grid, tensors, **fields)
 
     def _make_packed(self) -> None:
@@ -344,7 +354,7 @@ def _contiguous_copy(info: ArrayInfo, alloc: CudaAllocator, stream: int) -> Arra
     src = _cupy_of(info.ptr, info.shape, info.strides, info.dtype, info.obj, info.device[1])
     dst_strides = tuple(c_contiguous_strides(info.shape))
     dst = _cupy_of(out.ptr, info.shape, dst_strides, info.dtype, out.array, info.device[1])
-    with cupy.cuda.Device(info.device[1]), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.Device(info.device[1]), cupy_stream(stream, info.device[1]):
         dst[...] = src
     return replace(info, obj=out.array, strides=dst_strides, ptr=out.ptr)
 
@@ -355,5 +365,5 @@ def _transpose_lse(src, dst, p: Problem, stream: int) -> None:
     b, h, n = p.batch, p.heads_q, p.seq_q
     a = _cupy_of(src.ptr, (h, b, n), (b * n, n, 1), p.lse_dtype, src.array, p.device[1])
     z = _cupy_of(dst.ptr, (b, h, n), (h * n, n, 1), p.lse_dtype, dst.array, p.device[1])
-    with cupy.cuda.Device(p.device[1]), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.Device(p.device[1]), cupy_stream(stream, p.device[1]):
         z[...] = a.transpose(1, 0, 2)

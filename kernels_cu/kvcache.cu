@@ -255,6 +255,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode(const __grid_constant__ Params p) {
   typedef DecodeTraits<Elem, HD, STAGES, BULK, FEATURES> Tr;
   constexpr int PITCH = Tr::PITCH, NT_O = Tr::NT_O, BN = DECODE_BN;
+  // The combine (launched programmatically after this kernel on sm_90) may place its blocks
+  // beside this kernel's last ones; they wait there for its results.
+  if constexpr (BULK) launch_dependents();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
   unsigned short* sK = sQ + DECODE_ROWS * PITCH;      // STAGES tiles of BN rows
@@ -410,29 +413,33 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     fill(s, 0.f);
     if constexpr (Q_IN_REGISTERS) gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH>(s, q_frags, sKw, lane);
     else gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
-    const int tile_n0 = (tile0 + it) * BN;
-    const bool masked = !LEAN_TILES || tile_n0 < every_begin || tile_n0 + BN > every_end;
+    bool hides_data = false;  // a real row does not see a key whose row of V was loaded
+    // The band of mask.cuh; keys outside the split or past the keys in use are hidden too (their
+    // rows were not loaded: zeros).
+    auto hide_unseen = [&](float x, int h, int j) {
+      const bool loaded = j >= key_begin && j < key_end;
+      if (loaded && mask.visible(pos[h], j)) return x;
+      hides_data |= loaded && real[h];
+      return -inf_f32();
+    };
+    // Without LEAN_TILES every tile is masked, in the same pass as the score modifier (separate
+    // passes spilled at HD = 32 on sm_80); with it, only the tiles that straddle a bound.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
-        s[0][nt][e] = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
+        const float x = mod[h](s[0][nt][e], mod[h].row_pos(pos[h]), static_cast<float>(j));
+        s[0][nt][e] = LEAN_TILES ? x : hide_unseen(x, h, j);
       }
-    bool hides_data = false;  // a real row does not see a key whose row of V was loaded
-    if (masked) {
+    const int tile_n0 = (tile0 + it) * BN;
+    if (LEAN_TILES && (tile_n0 < every_begin || tile_n0 + BN > every_end)) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, j = n0 + nt * 8 + 2 * t4 + (e & 1);
-          // the band of mask.cuh; keys outside the split or past the keys in use are hidden too
-          // (their rows were not loaded: zeros)
-          const bool loaded = j >= key_begin && j < key_end;
-          if (!loaded || !mask.visible(pos[h], j)) {
-            s[0][nt][e] = -inf_f32();
-            hides_data |= loaded && real[h];
-          }
+          s[0][nt][e] = hide_unseen(s[0][nt][e], h, j);
         }
     }
     softmax.template update<2, NT_O, LEAN_TILES>(s, acc_o, scale_log2);
@@ -526,7 +533,8 @@ constexpr int COMBINE_MAX_SPLITS = 128;  // the host's cap on num_splits
 template <typename Elem, int HD>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32)
     attention_decode_combine(const __grid_constant__ Params p) {
-  constexpr int VECS = (HD + 127) / 128;  // float4s of a lane
+  constexpr int VECS = (HD + 127) / 128;                              // float4s of a lane
+  constexpr int WARP_SPLITS = COMBINE_MAX_SPLITS / COMBINE_WARPS;     // splits of a warp, at most
   __shared__ float s_weight[COMBINE_MAX_SPLITS];
   __shared__ float s_reduce[2][COMBINE_WARPS];
   __shared__ __align__(16) float s_sum[COMBINE_WARPS][HD];
@@ -535,13 +543,31 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32)
   const int i = static_cast<int>(row_id % p.seq_q);
   const i64 bh = row_id / p.seq_q;
   const int head = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
-  const int splits = p.num_splits;
+  const int splits = p.num_splits, d = p.head_dim;
+#if __CUDA_ARCH__ >= 900
+  wait_for_prerequisite_grid();  // launched programmatically after the decoding kernel
+#endif
 
-  // lse over the splits: thread s reads split s's
+  // Every load at once: thread s reads split s's lse, and warp w the rows of o of its splits
+  // (w, w + 8, ...), which it weighs once the lse are reduced.
   const float lse_s = threadIdx.x < splits
                           ? head_ptr<const float>(p.lse_accum, threadIdx.x * p.batch + b, head)
                                 [static_cast<i64>(i) * p.lse_accum.seq]
                           : -inf_f32();
+  float4 part[WARP_SPLITS][VECS];
+#pragma unroll
+  for (int k = 0; k < WARP_SPLITS; ++k) {
+    const int s = warp + k * COMBINE_WARPS;
+    const float* row = head_ptr<const float>(p.o_accum, s * p.batch + b, head) +
+                       static_cast<i64>(i) * p.o_accum.seq;
+#pragma unroll
+    for (int v = 0; v < VECS; ++v) {
+      const int c = 4 * (lane + 32 * v);
+      part[k][v] = s < splits && c < d ? *reinterpret_cast<const float4*>(row + c)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+
   float m = lse_s;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -566,22 +592,17 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32)
   float4 acc[VECS];
 #pragma unroll
   for (int v = 0; v < VECS; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int d = p.head_dim;
-#pragma unroll 4
-  for (int s = warp; s < splits; s += COMBINE_WARPS) {
+#pragma unroll
+  for (int k = 0; k < WARP_SPLITS; ++k) {
+    const int s = warp + k * COMBINE_WARPS;
+    if (s >= splits) break;
     const float w = s_weight[s];  // 0 for a split that saw no key (its o is 0)
-    const float* part = head_ptr<const float>(p.o_accum, s * p.batch + b, head) +
-                        static_cast<i64>(i) * p.o_accum.seq;
 #pragma unroll
     for (int v = 0; v < VECS; ++v) {
-      const int c = 4 * (lane + 32 * v);
-      if (c < d) {
-        const float4 x = *reinterpret_cast<const float4*>(part + c);
-        acc[v].x += w * x.x;
-        acc[v].y += w * x.y;
-        acc[v].z += w * x.z;
-        acc[v].w += w * x.w;
-      }
+      acc[v].x += w * part[k][v].x;
+      acc[v].y += w * part[k][v].y;
+      acc[v].z += w * part[k][v].z;
+      acc[v].w += w * part[k][v].w;
     }
   }
 #pragma unroll

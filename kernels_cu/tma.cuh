@@ -83,6 +83,17 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uns
       : "memory");
 }
 
+// Programmatic dependent launch (cuflash/_launch.py): lets the next kernel on the stream, launched
+// programmatically, start its blocks once every block of this one has called this (or exited) ...
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+// ... where it waits, before reading what this one writes, for this one to complete (a no-op in
+// a kernel launched the ordinary way).
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 // Copies `bytes` (a multiple of 16) from global memory at `src` to shared memory at `dst` (both
 // 16-byte aligned) on the TMA unit, completing `bytes` of the barrier's expected transaction count:
 // the bulk copy without a tensor map, for rows whose addresses come from a table (paged caches).
