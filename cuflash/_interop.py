@@ -258,16 +258,38 @@ def stream_getter(library: str):
         return lambda index: torch.cuda.current_stream(index).cuda_stream
     cupy = _cupy()
 
-    def cupy_stream(index: int) -> int:
+    def current_stream(index: int) -> int:
         with cupy.cuda.Device(index):
             return cupy.cuda.get_current_stream().ptr
 
-    return cupy_stream
+    return current_stream
 
 
 def launch_stream(library: str, device_index: int) -> int:
     """The raw stream the kernels run on for inputs of `library` on `device_index`."""
     return stream_getter(library)(device_index)
+
+
+class _RawStream:
+    """A raw stream handle as an object of the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(stream_ptr: int, device_index: int) -> Any:
+    """A CuPy stream object over the raw stream `stream_ptr` of device `device_index`, for CuPy
+    operations that must run on the caller's stream: ``Stream.from_external`` where CuPy has it
+    (CuPy 14 deprecates ``ExternalStream``), else ``ExternalStream``."""
+    cupy = _cupy()
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        with cupy.cuda.Device(device_index):
+            return from_external(_RawStream(stream_ptr))
+    return cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 
 def dlpack_stream_argument(stream_ptr: int) -> int:

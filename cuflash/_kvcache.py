@@ -111,8 +111,37 @@ def check(
     ]
     present = [(obj, name) for obj, name in optional if obj is not None]
     infos = _validate._describe_all(named + present)
-    by_name = {info.name: info for info in infos}
-    qi, ki, vi = infos[:3]
+    call = check_described(
+        {info.name: info for info in infos},
+        None if seqlens_array else cache_seqlens,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        num_splits=num_splits,
+    )
+    if not isinstance(check_inputs, (bool, np.bool_)):
+        raise TypeError(f"check_inputs must be a bool; got {type(check_inputs).__name__}")
+    if check_inputs or call.q.device[0] == "cpu":
+        check_lengths_and_pages(call)
+    return call
+
+
+def check_described(
+    by_name: dict[str, ArrayInfo],
+    cache_len: int | None,
+    *,
+    causal: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    num_splits: Any,
+) -> Call:
+    """The checks of `check` on described arrays (by name: q, k_cache, v_cache and any of
+    cache_seqlens, k_new, v_new, block_table, alibi_slopes; abstract ones under a JAX trace), with
+    `cache_len` the int cache_seqlens (None: an array, or the whole cache)."""
+    seqlens_array = "cache_seqlens" in by_name
+    qi, ki, vi = by_name["q"], by_name["k_cache"], by_name["v_cache"]
     for info in (qi, ki, vi):
         _validate._check_dtype(info, None if info is qi else qi.dtype)
     _check_4d(qi, "(B, Nq, Hq, d)")
@@ -135,7 +164,7 @@ def check(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value "
             f"heads ({heads_kv}); got q shape {qi.shape}, k_cache shape {ki.shape}"
         )
-    for info in infos[:3] + [by_name[n] for n in ("k_new", "v_new") if n in by_name]:
+    for info in [qi, ki, vi] + [by_name[n] for n in ("k_new", "v_new") if n in by_name]:
         _validate._check_last_dim_contiguous(info)
     if bt is None:
         if pages != batch:
@@ -158,7 +187,7 @@ def check(
         max_pages = bt.shape[1]
     capacity = rows * max_pages
     seq_new = 0
-    if k_new is not None:
+    if "k_new" in by_name:
         ni, nvi = by_name["k_new"], by_name["v_new"]
         for info in (ni, nvi):
             _validate._check_dtype(info, qi.dtype)
@@ -178,16 +207,15 @@ def check(
                 "k_new/v_new with JAX caches: JAX arrays cannot be written in place; use "
                 "cuflash.jax.attention_with_kvcache, which returns the updated caches"
             )
-    cache_len = None
     if not seqlens_array:
-        if cache_seqlens is None:
+        if cache_len is None:
             cache_len = capacity - seq_new
             if cache_len < 0:
                 raise ValueError(
                     f"k_new has {seq_new} rows but the cache holds only {capacity} per sequence"
                 )
         else:
-            cache_len = int(cache_seqlens)
+            cache_len = int(cache_len)
             if cache_len < 0:
                 raise ValueError(f"cache_seqlens must be >= 0; got {cache_len}")
             if cache_len + seq_new > capacity:
@@ -203,8 +231,6 @@ def check(
         if int(num_splits) < 1:
             raise ValueError(f"num_splits must be >= 1 (or None); got {int(num_splits)}")
         num_splits = int(num_splits)
-    if not isinstance(check_inputs, (bool, np.bool_)):
-        raise TypeError(f"check_inputs must be a bool; got {type(check_inputs).__name__}")
     for name, n in (("q", seq_q), ("k_cache", capacity)):
         if n >= _mask.MAX_SEQ:
             raise ValueError(f"{name}'s sequence length must be below 2**29; got {n}")
@@ -229,7 +255,7 @@ def check(
         problem, [by_name[n] for n in ("alibi_slopes",) if n in by_name]
     )
     cache = Cache(bt is not None, rows, pages, max_pages, seq_new, cache_len, num_splits)
-    call = Call(
+    return Call(
         problem,
         cache,
         qi,
@@ -241,9 +267,6 @@ def check(
         bt,
         alibi,
     )
-    if check_inputs or qi.device[0] == "cpu":
-        check_lengths_and_pages(call)
-    return call
 
 
 def _host_ints(info: ArrayInfo) -> np.ndarray:

@@ -80,6 +80,12 @@ def split_keys(call: Call, sms: int, per_sm: int) -> tuple[int, int]:
     return -(-key_tiles // per_split), per_split * tile
 
 
+def accum_shape(p: Problem, splits: int) -> tuple[int, int, int, int]:
+    """The shape of the splits' float32 partial outputs (the first three dimensions: their
+    lse): rows padded to the head-dim bucket, which the combine reads in float4s."""
+    return (splits * p.batch, p.heads_q, p.seq_q, _kernels.head_dim_bucket(p.head_dim))
+
+
 def blocks_per_sm(spec: _kernels.KernelSpec, device: int) -> int:
     """Decoding blocks one multiprocessor holds: shared memory bounds them (1 KB per block is the
     driver's reserve)."""
@@ -214,9 +220,7 @@ class KVCachePlan:
         grid = splits * row_tiles * p.heads_kv * p.batch
         tensors = ("q", "k", "v", "o", "lse")
         if splits > 1:
-            # rows padded to the head-dim bucket: the combine reads them in float4s
-            bucket = _kernels.head_dim_bucket(p.head_dim)
-            self.accum_shape = (splits * p.batch, p.heads_q, p.seq_q, bucket)
+            self.accum_shape = accum_shape(p, splits)
             self.strides["o_accum"] = tuple(c_contiguous_strides(self.accum_shape)[:3])
             self.strides["lse_accum"] = tuple(c_contiguous_strides(self.accum_shape[:3]))
             tensors += ("o_accum", "lse_accum")
@@ -273,17 +277,23 @@ class KVCachePlan:
         lse = alloc(p.lse_shape, p.lse_dtype, float("-inf") if self.empty else None)
         ptr["o"], ptr["lse"] = o.ptr, lse.ptr
         if self.route == "decode":
-            vec = int(self.vec_ok and _vec_pointers(ptr["q"], ptr["k"], ptr["v"]))
             if self.splits > 1:
                 o_accum = alloc(self.accum_shape, "float32")
                 lse_accum = alloc(self.accum_shape[:3], "float32")
                 ptr["o_accum"], ptr["lse_accum"] = o_accum.ptr, lse_accum.ptr
-            self.decode(stream, ptr, vec)
-            if self.splits > 1:
-                self.combine(stream, ptr)
+            self.launch_decode(stream, ptr)
         elif self.route == "packed":
             self._run_packed(stream, ptr, lse, alloc, arrays)
         return alloc.result(o), alloc.result(lse)
+
+    def launch_decode(self, stream: int, ptr: dict[str, int]) -> None:
+        """The decoding launches (route "decode") on `stream`: `ptr` holds the inputs' pointers
+        (by the names of `inputs`), o and lse, and with several splits the float32 scratch
+        o_accum (shape `accum_shape`) and lse_accum (its first three dimensions)."""
+        vec = int(self.vec_ok and _vec_pointers(ptr["q"], ptr["k"], ptr["v"]))
+        self.decode(stream, ptr, vec)
+        if self.splits > 1:
+            self.combine(stream, ptr)
 
     def _run_packed(self, stream: int, ptr: dict, lse, alloc, arrays: tuple) -> None:  # noqa: ANN001
         p = self.p

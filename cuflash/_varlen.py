@@ -42,9 +42,9 @@ def _host_copy(info: ArrayInfo) -> np.ndarray:
 
     with cupy.cuda.Device(info.device[1]):
         # the caller's stream orders this copy after the offsets' producer
-        from ._interop import launch_stream
+        from ._interop import cupy_stream, launch_stream
 
-        stream = cupy.cuda.ExternalStream(launch_stream(info.library, info.device[1]))
+        stream = cupy_stream(launch_stream(info.library, info.device[1]), info.device[1])
         mem = cupy.cuda.UnownedMemory(info.ptr, info.shape[0] * 4, info.obj)
         device = cupy.ndarray(info.shape, cupy.int32, cupy.cuda.MemoryPointer(mem, 0))
         with stream:

@@ -733,8 +733,131 @@ def attention_varlen(
 
 # ---------------------------------------------------------------------------------------------
 # KV cache: functional. The append is JAX's own scatter (in place where XLA may reuse the caches'
-# buffers: donate them); the attention gathers each sequence's keys in use into a packed batch and
-# runs the packed forward (attention_varlen's custom call).
+# buffers: donate them). Decoding calls (the plain API's split-KV route: float16 / bfloat16, a few
+# query rows per KV head) run the split-KV kernels in one custom call over the caches as they are;
+# the rest gathers each sequence's keys in use into a packed batch for the packed forward
+# (attention_varlen's custom call).
+
+
+def _default_gpu() -> int | None:
+    """The CUDA ordinal of JAX's default device when it is a GPU (where a trace will run unless
+    its inputs sit elsewhere), else None."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    return int(getattr(device, "local_hardware_id", None) or device.id)
+
+
+def _decode_call(arrays: tuple, names: tuple[str, ...], options: _Options) -> Any:
+    """The traced call (q, the caches, the lengths in use after the append, block table, slopes)
+    as the plain API would run it on the default GPU, when that is split-KV decoding, with its
+    split of the keys fixed (the custom call's scratch outputs depend on it); else None."""
+    from dataclasses import replace
+
+    from . import _compile, _kvcache, _kvcache_cuda
+
+    gpu = _default_gpu()
+    if gpu is None:
+        return None
+    infos = [replace(i, device=("cuda", gpu)) for i in _abstract(arrays, names)]
+    call = _kvcache.check_described(
+        {i.name: i for i in infos},
+        None,
+        causal=options.causal,
+        window=options.window,
+        softcap=options.softcap,
+        scale=options.scale,
+        num_splits=None,
+    )
+    p = call.problem
+    if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0 or not _kvcache_cuda.uses_decode(call):
+        return None
+    spec = _kvcache_cuda.decode_instance(p)
+    splits, _ = _kvcache_cuda.split_keys(
+        call, _compile.sm_count(gpu), _kvcache_cuda.blocks_per_sm(spec, gpu)
+    )
+    return replace(call, cache=replace(call.cache, num_splits=splits))
+
+
+class _KVCacheDecodeCall:
+    """The callback of one decoding call: on CUDA buffers, the plain API's decoding launches
+    (cuflash/_kvcache_cuda.py, KVCachePlan) on XLA's stream into XLA's outputs (o, lse, and the
+    splits' scratch); on CPU buffers, the NumPy backend (which checks the lengths and pages)."""
+
+    def __init__(self, call: Any, names: tuple[str, ...]) -> None:
+        self.call, self.names, self.plans = call, names, {}
+
+    def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
+        if _on_cpu(inputs[0]):
+            self._on_cpu(outs, inputs)
+            return
+        device = inputs[0].__dlpack_device__()[1]
+        plan = self.plans.get(device)
+        if plan is None:
+            plan = self.plans[device] = self._plan(device)
+        ptr = dict(zip(plan.inputs, _pointers(inputs), strict=True))
+        ptr.update(zip(("o", "lse", "o_accum", "lse_accum"), _pointers(outs), strict=False))
+        plan.launch_decode(ctx.stream, ptr)
+
+    def _plan(self, device: int) -> Any:
+        from dataclasses import replace
+
+        from . import _kvcache_cuda
+        from .api import poison_outputs
+
+        where = (_interop.CUDA, device)
+        call = self.call
+        moved = {
+            name: replace(info, device=where)
+            for name in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "alibi")
+            if (info := getattr(call, name)) is not None
+        }
+        call = replace(call, problem=replace(call.problem, device=where), **moved)
+        plan = _kvcache_cuda.KVCachePlan(call, poison_outputs())
+        if plan.route != "decode" or plan.splits != call.cache.num_splits:
+            raise RuntimeError(
+                f"cuflash.jax.attention_with_kvcache: GPU {device} does not run this call as the "
+                f"GPU it was traced for did (split-KV decoding, {call.cache.num_splits} splits)"
+            )
+        return plan
+
+    def _on_cpu(self, outs: tuple, inputs: tuple) -> None:
+        from . import api
+
+        by_name = dict(zip(self.names, (np.asarray(x) for x in inputs), strict=True))
+        p = self.call.problem
+        with _float_environment():
+            o, lse = api.attention_with_kvcache(
+                by_name["q"],
+                by_name["k_cache"],
+                by_name["v_cache"],
+                by_name["cache_seqlens"],
+                block_table=by_name.get("block_table"),
+                window=p.window,
+                softcap=p.softcap,
+                alibi_slopes=by_name.get("alibi_slopes"),
+                scale=p.scale,
+            )
+        np.asarray(outs[0])[...] = o
+        np.asarray(outs[1])[...] = lse
+
+
+def _kvcache_decode(call: Any, arrays: tuple, names: tuple[str, ...]) -> tuple[Any, Any]:
+    from . import _kvcache_cuda
+
+    p, splits = call.problem, call.cache.num_splits
+    results = [
+        jax.ShapeDtypeStruct(p.q_shape, p.dtype),
+        jax.ShapeDtypeStruct(p.lse_shape, p.lse_dtype),
+    ]
+    if splits > 1:
+        scratch = _kvcache_cuda.accum_shape(p, splits)
+        results += [
+            jax.ShapeDtypeStruct(scratch, jnp.float32),
+            jax.ShapeDtypeStruct(scratch[:3], jnp.float32),
+        ]
+    outputs = _custom_call(_KVCacheDecodeCall(call, names), tuple(results))(*arrays)
+    return tuple(_vary_like(tuple(outputs[:2]), arrays))
 
 
 def _cache_rows(rows: Any, block_table: Any, page_size: int, num_pages: int) -> tuple[Any, Any]:
@@ -773,8 +896,10 @@ def attention_with_kvcache(
     v_cache)`` with k_new / v_new written into the returned caches. Eager and under ``jax.jit``
     (donate the caches to update them in place). Lengths and pages are trusted, as the plain
     API's GPU path trusts them: rows past the capacity or on pages outside the cache are neither
-    written nor read. Each sequence's keys in use are gathered into a packed batch for the packed
-    forward kernels (the split-KV decoding kernels are not used here yet)."""
+    written nor read. Where JAX's default device is a GPU and the plain API would decode (float16
+    or bfloat16, at most 64 query rows per KV head), the split-KV decoding kernels read the caches
+    in place, the keys split as the plain API splits them on that GPU; other calls gather each
+    sequence's keys in use into a packed batch for the packed forward kernels."""
     names = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     q, k_cache, v_cache = (_as_jax(x, n) for n, x in names)
     if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -816,8 +941,18 @@ def attention_with_kvcache(
         page, slot = _cache_rows(rows, block_table, page_size, pages)
         k_cache = k_cache.at[page, slot].set(k_new.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[page, slot].set(v_new.astype(v_cache.dtype), mode="drop")
+    used = jnp.clip(lengths + seq_new, 0, capacity)  # keys in use of each sequence
+    options = _options(causal, window, softcap, scale, "bshd")
+    slopes = _slopes_tuple(alibi_slopes)
+    table_tuple = () if block_table is None else (block_table,)
+    arrays = (q, k_cache, v_cache, used, *table_tuple, *slopes)
+    names = ("q", "k_cache", "v_cache", "cache_seqlens")
+    names += ("block_table",) * len(table_tuple) + ("alibi_slopes",) * len(slopes)
+    decode = _decode_call(arrays, names, options)
+    if decode is not None:
+        o, lse = _kvcache_decode(decode, arrays, names)
+        return o, lse, k_cache, v_cache
     # the keys in use, packed: sequence b's rows cu_k[b] .. cu_k[b + 1]
-    used = jnp.clip(lengths + seq_new, 0, capacity)
     cu_k = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(used, dtype=jnp.int32)])
     row = jnp.arange(batch * capacity, dtype=jnp.int32)
     owner = jnp.clip(jnp.searchsorted(cu_k, row, side="right") - 1, 0, batch - 1)
@@ -837,9 +972,7 @@ def attention_with_kvcache(
     # one more sequence, without queries, holds the unused rows (the offsets end at the rows)
     cu_q = jnp.minimum(jnp.arange(batch + 2, dtype=jnp.int32), batch) * seq_q
     cu_k = jnp.concatenate([cu_k, jnp.full(1, batch * capacity, jnp.int32)])
-    options = _options(causal, window, softcap, scale, "bshd")
     q_packed = q.reshape(batch * seq_q, heads_q, d)
-    slopes = _slopes_tuple(alibi_slopes)
     if slopes and slopes[0].ndim == 2:  # (B, Hq): a row for the extra sequence
         slopes = (jnp.concatenate([slopes[0], jnp.zeros_like(slopes[0][:1])]),)
     o, lse = _varlen_forward(options, (seq_q, capacity), q_packed, keys, values, cu_q, cu_k, slopes)

@@ -652,6 +652,120 @@ def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
     np.testing.assert_array_equal(np.asarray(v_after), cupy.asnumpy(gpu[2]))
 
 
+def _jax_decoding_inputs(paged: bool, alibi: bool):
+    """bfloat16 decoding inputs (Nq = 1, groups of 4) as NumPy arrays: q, caches, lengths, new
+    rows, block table (or None), slopes (or None)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    batch, heads_q, heads_kv, d = 3, 8, 2, 128
+    page_size = 64 if paged else 600
+    pages = 40 if paged else batch
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+    k_cache, v_cache = normal(pages, page_size, heads_kv, d), normal(pages, page_size, heads_kv, d)
+    table = rng.permutation(pages)[:30].reshape(3, 10).astype(np.int32) if paged else None
+    slopes = (rng.uniform(0.01, 0.5, heads_q)).astype(np.float32) if alibi else None
+    lengths = np.array([0, 333, 597], np.int32)
+    q, k_new, v_new = (
+        normal(batch, 1, heads_q, d),
+        normal(batch, 1, heads_kv, d),
+        normal(batch, 1, heads_kv, d),
+    )
+    return q, k_cache, v_cache, lengths, k_new, v_new, table, slopes
+
+
+@pytest.mark.parametrize("paged,alibi", [(False, False), (True, False), (False, True)])
+def test_jax_decoding_runs_the_split_kv_kernels_and_gives_the_plain_api_bits(paged, alibi):
+    """cuflash.jax.attention_with_kvcache on a decoding call (bfloat16, Nq = 1, jit, JAX GPU
+    arrays) runs the split-KV decoding kernels in one custom call over the caches in place (no
+    packed gather): its o and lse are, bit for bit, the plain API's on the same inputs (torch
+    tensors: the same kernels and the same split of the keys), and its caches hold the appends."""
+    jax = pytest.importorskip("jax")
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("JAX's default device is not a GPU")
+    import cuflash.jax as cfj
+
+    q, k_cache, v_cache, lengths, k_new, v_new, table, slopes = _jax_decoding_inputs(paged, alibi)
+
+    # CuPy has no bfloat16: the plain API runs on torch tensors of the same bits
+    def to_torch(x):
+        if x is None:
+            return None
+        if x.dtype == np.int32 or x.dtype == np.float32:
+            return torch.from_numpy(np.ascontiguousarray(x)).to(DEVICE)
+        return torch.from_numpy(x.view(np.int16).copy()).to(DEVICE).view(torch.bfloat16)
+
+    t = [to_torch(x) for x in (q, k_cache, v_cache, lengths, k_new, v_new, table, slopes)]
+    o_want, lse_want = cuflash.attention_with_kvcache(
+        t[0], t[1], t[2], t[3], k_new=t[4], v_new=t[5], block_table=t[6], alibi_slopes=t[7],
+        causal=True,
+    )  # fmt: skip
+    sync()
+
+    calls = []
+    original = cfj._KVCacheDecodeCall.__call__
+
+    def counting(self, ctx, outs, *inputs):
+        calls.append(len(outs))
+        return original(self, ctx, outs, *inputs)
+
+    @jax.jit
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table, slopes):
+        return cfj.attention_with_kvcache(
+            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
+            alibi_slopes=slopes, causal=True,
+        )  # fmt: skip
+
+    device = jax.devices()[0]
+    inputs = [None if x is None else jax.device_put(x, device) for x in
+              (q, k_cache, v_cache, lengths, k_new, v_new, table, slopes)]  # fmt: skip
+    cfj._KVCacheDecodeCall.__call__ = counting
+    try:
+        o, lse, k_after, v_after = step(*inputs)
+        o.block_until_ready()
+    finally:
+        cfj._KVCacheDecodeCall.__call__ = original
+    assert calls, "the decoding custom call did not run"
+    got = np.asarray(o).view(np.uint16)
+    want = o_want.view(torch.int16).cpu().numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(lse), lse_want.cpu().numpy())
+    for after, cache in ((k_after, t[1]), (v_after, t[2])):
+        want_cache = cache.view(torch.int16).cpu().numpy().view(np.uint16)
+        np.testing.assert_array_equal(np.asarray(after).view(np.uint16), want_cache)
+
+
+def test_jax_decoding_on_cpu_arrays_with_a_gpu_default_takes_the_numpy_backend():
+    """Traced where the default device is a GPU but run on CPU arrays, the decoding custom call
+    computes with the NumPy backend: the plain API's CPU results on the same inputs."""
+    jax = pytest.importorskip("jax")
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("JAX's default device is not a GPU")
+    import cuflash.jax as cfj
+
+    q, k_cache, v_cache, lengths, k_new, v_new, table, _ = _jax_decoding_inputs(True, False)
+    cpu = jax.devices("cpu")[0]
+    inputs = [jax.device_put(x, cpu) for x in (q, k_cache, v_cache, lengths, k_new, v_new, table)]
+
+    @jax.jit
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
+        return cfj.attention_with_kvcache(
+            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
+            causal=True,
+        )  # fmt: skip
+
+    o, lse, _, _ = step(*inputs)
+    k_want, v_want = k_cache.copy(), v_cache.copy()
+    o_want, lse_want = cuflash.attention_with_kvcache(
+        q, k_want, v_want, lengths, k_new=k_new, v_new=v_new, block_table=table, causal=True
+    )
+    np.testing.assert_array_equal(np.asarray(o).view(np.uint16), o_want.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse), lse_want)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize(
     "seq_q,causal,window,nan_key",
