@@ -302,9 +302,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   // BULK: thread r < BN has key row r copied, thread BN + r value row r.
   const bool loads_k = threadIdx.x < BN;
   const int bulk_r = loads_k ? threadIdx.x : threadIdx.x - BN;
-  auto load_kv_direct = [&](int t, int stage) {
-    const CacheSource ks{k_base, &p.k, cache, b, kv_head, t * BN, key_begin, key_end};
-    const CacheSource vs{v_base, &p.v, cache, b, kv_head, t * BN, key_begin, key_end};
+  // One tile's K rows from `ks` and V rows from `vs` (row sources: CacheSource, OffsetSource).
+  auto load_tile = [&](const auto& ks, const auto& vs, int stage) {
     if constexpr (BULK) {
       unsigned short* tile = (loads_k ? sK : sV) + stage * BN * PITCH;
       bulk_row<HD>(tile + bulk_r * PITCH, loads_k ? ks(bulk_r) : vs(bulk_r), d, vec, &s_full[stage]);
@@ -313,16 +312,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
     }
   };
+  auto load_kv_direct = [&](int t, int stage) {
+    load_tile(CacheSource{k_base, &p.k, cache, b, kv_head, t * BN, key_begin, key_end},
+              CacheSource{v_base, &p.v, cache, b, kv_head, t * BN, key_begin, key_end}, stage);
+  };
   auto load_kv = [&](int t, int stage) {
     const i64* offsets = s_offsets + (t & 1) * 2 * BN;
-    const OffsetSource ks{k_base, offsets}, vs{v_base, offsets + BN};
-    if constexpr (BULK) {
-      unsigned short* tile = (loads_k ? sK : sV) + stage * BN * PITCH;
-      bulk_row<HD>(tile + bulk_r * PITCH, loads_k ? ks(bulk_r) : vs(bulk_r), d, vec, &s_full[stage]);
-    } else {
-      load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
-      load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
-    }
+    load_tile(OffsetSource{k_base, offsets}, OffsetSource{v_base, offsets + BN}, stage);
   };
   auto lookup = [&](int t) {
     if (threadIdx.x < BN) {

@@ -607,6 +607,21 @@ def test_the_cached_plan_keeps_no_array_alive(route):
     assert all(r() is None for r in refs)
 
 
+def _jitted_kvcache_step(jax):
+    """cuflash.jax.attention_with_kvcache (causal) under jax.jit: (q, k_cache, v_cache, lengths,
+    k_new, v_new, block table, slopes) -> (o, lse, k_cache, v_cache)."""
+    import cuflash.jax as cfj
+
+    @jax.jit
+    def step(q, k_cache, v_cache, lengths, k_new, v_new, table, slopes=None):
+        return cfj.attention_with_kvcache(
+            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
+            alibi_slopes=slopes, causal=True,
+        )  # fmt: skip
+
+    return step
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
     """cuflash.jax.attention_with_kvcache (jit, JAX GPU arrays) gives the plain API's o and lse
@@ -615,7 +630,6 @@ def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
     jax = pytest.importorskip("jax")
     if not any(dev.platform == "gpu" for dev in jax.devices()):
         pytest.skip("JAX sees no GPU")
-    import cuflash.jax as cfj
 
     rng = np.random.default_rng(3)
     batch, seq_q, heads_q, heads_kv, d = 3, 3, 8, 2, 64
@@ -635,12 +649,7 @@ def test_jax_wrapper_under_jit_on_the_gpu_equals_the_plain_api(paged):
         causal=True,
     )  # fmt: skip
 
-    @jax.jit
-    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
-        return cfj.attention_with_kvcache(
-            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
-            causal=True,
-        )  # fmt: skip
+    step = _jitted_kvcache_step(jax)
 
     device = next(dev for dev in jax.devices() if dev.platform == "gpu")
     inputs = [jax.device_put(x, device) for x in (q, k_cache, v_cache, lengths, k_new, v_new)]
@@ -712,12 +721,7 @@ def test_jax_decoding_runs_the_split_kv_kernels_and_gives_the_plain_api_bits(pag
         calls.append(len(outs))
         return original(self, ctx, outs, *inputs)
 
-    @jax.jit
-    def step(q, k_cache, v_cache, lengths, k_new, v_new, table, slopes):
-        return cfj.attention_with_kvcache(
-            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
-            alibi_slopes=slopes, causal=True,
-        )  # fmt: skip
+    step = _jitted_kvcache_step(jax)
 
     device = jax.devices()[0]
     inputs = [None if x is None else jax.device_put(x, device) for x in
@@ -744,18 +748,12 @@ def test_jax_decoding_on_cpu_arrays_with_a_gpu_default_takes_the_numpy_backend()
     jax = pytest.importorskip("jax")
     if jax.devices()[0].platform != "gpu":
         pytest.skip("JAX's default device is not a GPU")
-    import cuflash.jax as cfj
 
     q, k_cache, v_cache, lengths, k_new, v_new, table, _ = _jax_decoding_inputs(True, False)
     cpu = jax.devices("cpu")[0]
     inputs = [jax.device_put(x, cpu) for x in (q, k_cache, v_cache, lengths, k_new, v_new, table)]
 
-    @jax.jit
-    def step(q, k_cache, v_cache, lengths, k_new, v_new, table):
-        return cfj.attention_with_kvcache(
-            q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new, block_table=table,
-            causal=True,
-        )  # fmt: skip
+    step = _jitted_kvcache_step(jax)
 
     o, lse, _, _ = step(*inputs)
     k_want, v_want = k_cache.copy(), v_cache.copy()
