@@ -68,8 +68,8 @@ struct OnlineSoftmax {
           }
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-        alphas[mt][r] = alpha;
-        if constexpr (!SKIP_UNIT) rescale_row(acc, mt, r, alpha);
+        if constexpr (SKIP_UNIT) alphas[mt][r] = alpha;  // rescaled below unless every alpha is 1
+        else rescale_row(acc, mt, r, alpha);
       }
     }
     if constexpr (SKIP_UNIT) {
