@@ -58,6 +58,15 @@ class Call:
     alibi: ArrayInfo | None
 
 
+_ARRAYS = ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table", "alibi")
+
+
+def map_arrays(call: Call, change: Any) -> Call:
+    """The call with `change(info)` in place of each of its ArrayInfos (absent ones stay None)."""
+    infos = {name: getattr(call, name) for name in _ARRAYS}
+    return replace(call, **{n: change(i) for n, i in infos.items() if i is not None})
+
+
 def is_array(cache_seqlens: Any) -> bool:
     """Whether cache_seqlens is an array (not an int, not None)."""
     return cache_seqlens is not None and not isinstance(cache_seqlens, numbers.Integral)
@@ -96,6 +105,8 @@ def check(
     for CPU arrays or with check_inputs."""
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together (or neither)")
+    if not isinstance(check_inputs, (bool, np.bool_)):
+        raise TypeError(f"check_inputs must be a bool; got {type(check_inputs).__name__}")
     seqlens_array = is_array(cache_seqlens)
     if isinstance(cache_seqlens, (bool, np.bool_)):
         raise TypeError(
@@ -120,8 +131,6 @@ def check(
         scale=scale,
         num_splits=num_splits,
     )
-    if not isinstance(check_inputs, (bool, np.bool_)):
-        raise TypeError(f"check_inputs must be a bool; got {type(check_inputs).__name__}")
     if check_inputs or call.q.device[0] == "cpu":
         check_lengths_and_pages(call)
     return call

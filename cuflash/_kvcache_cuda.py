@@ -21,7 +21,7 @@ from typing import Any
 from . import _compile, _dispatch, _kernels, _launch, _params
 from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, CudaAllocator, cupy_stream, stream_getter
-from ._kvcache import Call
+from ._kvcache import Call, map_arrays
 from ._problem import Problem
 from ._validate import alibi_strides
 
@@ -80,6 +80,25 @@ def split_keys(call: Call, sms: int, per_sm: int) -> tuple[int, int]:
     return -(-key_tiles // per_split), per_split * tile
 
 
+def decode_splits(call: Call, device: int) -> tuple[int, int]:
+    """split_keys for the decoding kernel on GPU `device` (its multiprocessors, and the blocks
+    of this call's decoding instance one of them holds)."""
+    spec = decode_instance(call.problem)
+    return split_keys(call, _compile.sm_count(device), blocks_per_sm(spec, device))
+
+
+def route(call: Call) -> str:
+    """How a call runs on its device: "empty" (no query row or no key: o = 0, lse = -inf),
+    "decode" (split-KV), "dense" (the dense forward on views of the caches) or "packed" (the
+    keys gathered for the packed forward)."""
+    p = call.problem
+    if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
+        return "empty"
+    if uses_decode(call):
+        return "decode"
+    return "dense" if _dense_view_possible(call) else "packed"
+
+
 def accum_shape(p: Problem, splits: int) -> tuple[int, int, int, int]:
     """The shape of the splits' float32 partial outputs (the first three dimensions: their
     lse): rows padded to the head-dim bucket, which the combine reads in float4s."""
@@ -128,11 +147,7 @@ class _Ready:
 
 def _without_arrays(call: Call) -> Call:
     """The call's metadata: every ArrayInfo with its array and pointer dropped."""
-    fields = ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table", "alibi")
-    infos = {name: getattr(call, name) for name in fields}
-    return replace(
-        call, **{n: replace(i, obj=None, ptr=0) for n, i in infos.items() if i is not None}
-    )
+    return map_arrays(call, lambda info: replace(info, obj=None, ptr=0))
 
 
 class KVCachePlan:
@@ -186,16 +201,11 @@ class KVCachePlan:
             self.append = self._ready(spec, grid, ("k", "v", "k_new", "v_new"))
         self.vec_ok = _vec_strides(p, call.q, call.k_cache, call.v_cache)
         self.gather_vec_ok = _vec_strides(p, call.k_cache, call.v_cache)
-        self.empty = p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0
-        if self.empty:
-            self.route = "empty"
-        elif uses_decode(call):
-            self.route = "decode"
+        self.route = route(call)
+        self.empty = self.route == "empty"
+        if self.route == "decode":
             self._make_decode()
-        elif _dense_view_possible(call):
-            self.route = "dense"
-        else:
-            self.route = "packed"
+        elif self.route == "packed":
             self._make_packed()
 
     def _ready(  # noqa: ANN001
@@ -210,10 +220,7 @@ class KVCachePlan:
     def _make_decode(self) -> None:
         p, device = self.p, self.device
         spec = decode_instance(p)
-        self.bulk = _kernels.decode_bulk(_compile.device_arch(device))
-        splits, per_split = split_keys(
-            self.call, _compile.sm_count(device), blocks_per_sm(spec, device)
-        )
+        splits, per_split = decode_splits(self.call, device)
         row_tiles = -(-p.seq_q * p.group // _kernels.DECODE_ROWS)
         fields = {"num_splits": splits, "keys_per_split": per_split, "num_blocks": row_tiles}
         self.splits = splits
@@ -227,8 +234,9 @@ class KVCachePlan:
             combine = _kernels.kvcache_instance("decode_combine", p.dtype, p.head_dim)
             # With bulk copies (sm_90) the combine's blocks may start while the decoding
             # kernel's last ones run, and wait for its results there (kernels_cu/kvcache.cu)
+            bulk = _kernels.decode_bulk(_compile.device_arch(device))
             self.combine = self._ready(
-                combine, p.batch * p.heads_q * p.seq_q, tensors, programmatic=self.bulk, **fields
+                combine, p.batch * p.heads_q * p.seq_q, tensors, programmatic=bulk, **fields
             )
         self.decode = self._ready(spec, grid, tensors, **fields)
 

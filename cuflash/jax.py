@@ -754,7 +754,7 @@ def _decode_call(arrays: tuple, names: tuple[str, ...], options: _Options) -> An
     split of the keys fixed (the custom call's scratch outputs depend on it); else None."""
     from dataclasses import replace
 
-    from . import _compile, _kvcache, _kvcache_cuda
+    from . import _kvcache, _kvcache_cuda
 
     gpu = _default_gpu()
     if gpu is None:
@@ -769,13 +769,9 @@ def _decode_call(arrays: tuple, names: tuple[str, ...], options: _Options) -> An
         scale=options.scale,
         num_splits=None,
     )
-    p = call.problem
-    if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0 or not _kvcache_cuda.uses_decode(call):
+    if _kvcache_cuda.route(call) != "decode":
         return None
-    spec = _kvcache_cuda.decode_instance(p)
-    splits, _ = _kvcache_cuda.split_keys(
-        call, _compile.sm_count(gpu), _kvcache_cuda.blocks_per_sm(spec, gpu)
-    )
+    splits, _ = _kvcache_cuda.decode_splits(call, gpu)
     return replace(call, cache=replace(call.cache, num_splits=splits))
 
 
@@ -802,17 +798,12 @@ class _KVCacheDecodeCall:
     def _plan(self, device: int) -> Any:
         from dataclasses import replace
 
-        from . import _kvcache_cuda
+        from . import _kvcache, _kvcache_cuda
         from .api import poison_outputs
 
         where = (_interop.CUDA, device)
-        call = self.call
-        moved = {
-            name: replace(info, device=where)
-            for name in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "alibi")
-            if (info := getattr(call, name)) is not None
-        }
-        call = replace(call, problem=replace(call.problem, device=where), **moved)
+        call = _kvcache.map_arrays(self.call, lambda info: replace(info, device=where))
+        call = replace(call, problem=replace(call.problem, device=where))
         plan = _kvcache_cuda.KVCachePlan(call, poison_outputs())
         if plan.route != "decode" or plan.splits != call.cache.num_splits:
             raise RuntimeError(
