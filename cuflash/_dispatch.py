@@ -162,6 +162,8 @@ def backward(
             )
             spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles, features(p))
             blocks = _ceil_div(seq, spec.rows_per_block)
+            if p.packed and p.mask.bounded_right:  # paired and rotated: whole pairs per head
+                blocks += blocks & 1  # (kernels_cu/params.cuh, decode_sequence_work)
             launches.append(_persistent_launch(p, spec, heads, blocks, sm_count, maps))
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))

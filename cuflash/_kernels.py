@@ -39,15 +39,15 @@ FEATURE_ALIBI = 4  # S -= slope |i + Nk - Nq - j|
 FEATURE_PACKED = 8  # packed variable-length sequences (kernels_cu/params.cuh, Seq)
 # The feature sets the library launches (every combination), and so the compile check builds.
 FEATURE_SETS = tuple(range(16))
-# Packed calls: the TMA forward loads boxes of the packed tensors at each sequence's rows (those
-# past the sequence are masked, kernels_cu/forward_sm90_tma.cu); the backward takes the kernels
-# that own one sequence's rows per block (the TMA backward has no packed instances yet).
+# Packed calls: the TMA kernels load boxes of the packed tensors at each sequence's rows (those
+# past the sequence are masked, kernels_cu/forward_sm90_tma.cu, backward_sm90_tma.cu).
 # Features whose backward runs on the mma.sync kernels on every architecture (paths): the Hopper
 # backward kernels spilled 20-112 bytes with the softcap (docs/perf/NOTES.md, v11).
 BACKWARD_ON_MMA = FEATURE_SOFTCAP
-# Buckets whose TMA backward spills with these features (the dK/dV kernel with ALiBi: 36 B at
-# d = 64, 24-76 B at d = 256): those calls take the wgmma or mma.sync backward.
-_TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_ALIBI}
+# Buckets whose TMA backward spills with any of these features (the dK/dV kernel with ALiBi: 36 B
+# at d = 64, 24-76 B at d = 256; packed at d = 256: 20-24 B): those calls take the wgmma or
+# mma.sync backward.
+_TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_ALIBI | FEATURE_PACKED}
 
 # C++ spelling of each dtype as a template argument.
 _CPP_ELEM = {
@@ -226,13 +226,11 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
     hopper = arch == "sm_90a" and not modified_backward
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
     spills = family in ("dq", "dkdv") and features & _TMA_BACKWARD_SPILLS.get(bucket, 0)
-    # packed calls: the TMA forward (its maps cover the packed tensors), not yet the TMA backward
-    no_tma = spills or (features & FEATURE_PACKED and family != "forward")
     return tuple(
         path
         for path in TENSOR_CORE_PATHS
         if path == "mma"
-        or (hopper and bucket in tables[path][family] and not (path == "tma" and no_tma))
+        or (hopper and bucket in tables[path][family] and not (path == "tma" and spills))
     )
 
 
@@ -366,11 +364,12 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
         smem = (2 * bufs * bm + 2 * stages * bn) * row_bytes + 8 * bufs * bm
         smem += 8 * (2 * bufs + 2 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
-    # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each. The block owns BN keys:
-    # 64 per consumer warpgroup, or (hd > 128) 64 shared by two warpgroups that split the head dim.
+    # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each, and a packed item's
+    # sequence and head per buffer. The block owns BN keys: 64 per consumer warpgroup, or (hd > 128) 64 shared by two
+    # warpgroups that split the head dim.
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
-    smem += 8 * (2 * bufs + 2 * stages) + 1024
+    smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
 

@@ -105,15 +105,16 @@ class Mask:
         every = (int(self.keys_of(r1)[0]), int(self.keys_of(r0)[1]))
         return _tiles_between(some, every, bn, to_end=False)
 
-    def query_tiles(self, n0: int, bn: int, bm: int) -> TileRange:
-        """Query tiles of bm rows for the keys [n0, n0 + bn) (padding rows and keys need no mask:
-        kernels_cu/mask.cuh says why)."""
+    def query_tiles(self, n0: int, bn: int, bm: int, zero_padding: bool = True) -> TileRange:
+        """Query tiles of bm rows for the keys [n0, n0 + bn) (padding rows that read as zeros and
+        padding keys need no mask; `zero_padding` False: the tile of padding rows is a masked one,
+        as in the packed TMA dK/dV kernel: kernels_cu/mask.cuh says why)."""
         k1 = min(n0 + bn, self.nk) - 1
         some = (int(self.queries_of(n0)[0]), int(self.queries_of(k1)[1]))
         if k1 < n0 or some[1] < some[0]:
             return _EMPTY
         every = (int(self.queries_of(k1)[0]), int(self.queries_of(n0)[1]))
-        return _tiles_between(some, every, bm, to_end=every[1] >= self.nq - 1)
+        return _tiles_between(some, every, bm, to_end=zero_padding and every[1] >= self.nq - 1)
 
 
 def _tiles_between(some: tuple[int, int], every: tuple[int, int], size: int, to_end: bool):

@@ -21,6 +21,14 @@
 // of 64 keys (Sm90DkdvKeysSplit).
 // Results go from registers straight to global memory; rows a masked tile made non-finite are
 // recomputed there (repair.cuh).
+//
+// Packed sequences (PACKED), as in forward_sm90_tma.cu: the maps cover the packed tensors, an
+// item's rows are its sequence's (Seq, params.cuh), blocks past a sequence's rows are empty, and
+// the work list rotates each head's blocks (decode_sequence_work). Boxes that reach past the
+// sequence read the next one's rows: its keys are masked (the tile at the end of the keys is a
+// masked one), its query rows have lse +inf (P = 0) and are never written, and the dK/dV kernel's
+// query tile at the end of the rows is a masked one too (Mask::query_tiles<false>), so that a NaN
+// or Inf there, which P = 0 spreads into dK and dV, sets off the repair of the keys it reached.
 #include "common.cuh"
 #include "mma.cuh"
 #include "params.cuh"
@@ -53,13 +61,15 @@ struct BackwardMaps {
   TensorMap q, k, v, dout;
 };
 
-// Producer warp: stages lse2 and D of query rows [m0, m0 + ROWS) of head `head`, one row per lane.
-template <int ROWS>
+// Producer warp: stages lse2 and D of query rows [m0, m0 + ROWS) of head `head` of sequence `seq`,
+// one row per lane.
+template <int ROWS, bool PACKED>
 __device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delta, const Params& p,
-                                                    int batch, int head, int m0, int lane) {
-  const HeadRows<const float> lse = head_rows<const float>(p.lse, batch, head);
-  const HeadRows<const float> delta = head_rows<const float>(p.delta, batch, head);
-  const int nq = p.seq_q;
+                                                    const Seq<PACKED>& seq, int head, int m0,
+                                                    int lane) {
+  const HeadRows<const float> lse = seq.template q_rows<const float>(p.lse, head);
+  const HeadRows<const float> delta = seq.template q_rows<const float>(p.delta, head);
+  const int nq = seq.nq(p);
 #pragma unroll
   for (int r = lane; r < ROWS; r += 32) {
     const int row = m0 + r;
@@ -86,6 +96,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
   static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
@@ -118,19 +129,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
+      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
+      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int kv_head = bc.head / p.group, m0 = bc.block * BM;
-      const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
+      if (PACKED && m0 >= seq.nq(p)) continue;  // past this sequence's rows
+      const TileRange tiles = Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
       const int buf = acquire_to_fill(bar.q_empty, round);
       if (lane == 0) {
         mbar_arrive_expect_tx(&bar.q_full[buf], 2 * ROWS_BYTES);
-        tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &maps.q, &bar.q_full[buf], m0, bc.head,
-                              bc.batch);
-        tma_load_tile<BM, HD>(sdO + buf * ROWS_BYTES, &maps.dout, &bar.q_full[buf], m0, bc.head,
-                              bc.batch);
+        tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &maps.q, &bar.q_full[buf], seq.q_coord(m0),
+                              bc.head, seq.map_batch());
+        tma_load_tile<BM, HD>(sdO + buf * ROWS_BYTES, &maps.dout, &bar.q_full[buf],
+                              seq.q_coord(m0), bc.head, seq.map_batch());
       }
-      stage_lse_and_delta<BM>(s_lse2 + buf * BM, s_delta + buf * BM, p, bc.batch, bc.head, m0,
-                              lane);
+      stage_lse_and_delta<BM>(s_lse2 + buf * BM, s_delta + buf * BM, p, seq, bc.head, m0, lane);
       mbar_arrive(&bar.q_full[buf]);
       for (int it = 0; it < tiles.count(); ++it, ++pipe) {
         const int stage = pipe % STAGES;
@@ -138,10 +150,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         if (lane == 0) {
           const int n0 = tiles.at(it) * BN;
           mbar_arrive_expect_tx(&bar.kv_full[stage], 2 * KV_BYTES);
-          tma_load_tile<BN, HD>(sK + stage * KV_BYTES, &maps.k, &bar.kv_full[stage], n0, kv_head,
-                                bc.batch);
-          tma_load_tile<BN, HD>(sV + stage * KV_BYTES, &maps.v, &bar.kv_full[stage], n0, kv_head,
-                                bc.batch);
+          tma_load_tile<BN, HD>(sK + stage * KV_BYTES, &maps.k, &bar.kv_full[stage],
+                                seq.k_coord(n0), kv_head, seq.map_batch());
+          tma_load_tile<BN, HD>(sV + stage * KV_BYTES, &maps.v, &bar.kv_full[stage],
+                                seq.k_coord(n0), kv_head, seq.map_batch());
         }
       }
     }
@@ -150,7 +162,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   Regs::consumer();
   const int warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
-  const int nq = p.seq_q, d = p.head_dim;
+  const int d = p.head_dim;
   Sm90DqRows<Elem, HD, BM, BN, Mask, Mod> rows;
   rows.wg = (warp - 4) >> 2;
   rows.lane = lane;
@@ -159,8 +171,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    const int m0 = decode_paired_work(item, p.heads_q, p.num_blocks).block * BM;
-    const TileRange tiles = Mask::of(p).key_tiles(m0, BM, BN);
+    // The item's coordinates are decoded again where used, and the sequence's offsets looked up
+    // again for the epilogue (as in the dK/dV kernel); its extents (registers: packed) go through
+    // the loop in the mask.
+    const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
+    const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
+    const int m0 = item_bc.block * BM;
+    if (PACKED && m0 >= ext.nq(p)) continue;  // past this sequence's rows, skipped by the producer too
+    const TileRange tiles = Mask::of(p, ext).key_tiles(m0, BM, BN);
     // Masked tiles first (mask.cuh, TileRange::at); rows that they made non-finite are flagged
     // and recomputed at the end (repair.cuh).
     const int masked_tiles = tiles.masked(), count = tiles.count();
@@ -175,16 +193,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       rows.dlt[r] = s_delta[buf * BM + row];
     }
     rows.row0 = m0 + warp_row0 + (lane >> 2);
-    if constexpr (Mod::ANY) {
-      const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
-      rows.mod = Mod::of(p, bc.batch, bc.head, static_cast<float>(p.scale));
-    }
+    if constexpr (Mod::ANY)
+      rows.mod = Mod::of(p, item_bc.batch, item_bc.head, static_cast<float>(p.scale), ext);
     rows.clear();
     for (int it = 0; it < count; ++it, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.kv_full[stage], (pipe / STAGES) & 1);
       rows.step(it < masked_tiles, tiles.at(it) * BN, sK + stage * KV_BYTES,
-                sV + stage * KV_BYTES, Mask::of(p));
+                sV + stage * KV_BYTES, Mask::of(p, ext));
       __syncwarp();
       if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);
       if (it == masked_tiles - 1)
@@ -194,21 +210,24 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
     // Epilogue: dQ = scale * acc, from registers.
     const float scale = static_cast<float>(p.scale);
-    const BlockCoords bc = decode_paired_work(item, p.heads_q, p.num_blocks);
-    unsigned short* dq_head = head_ptr<unsigned short>(p.dq, bc.batch, bc.head);
+    const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
+    const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+    unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, bc.head);
     const int row0 = m0 + warp_row0;
-    store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, nq, d, rows.acc_dq, scale, lane);
+    store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, seq.nq(p), d, rows.acc_dq, scale,
+                                       lane);
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
       const int kv_head = bc.head / p.group;
       recompute_dq_rows<Elem, HD, 1>(
           dq_head + row0 * p.dq.seq, p.dq.seq, d, repair, scale, rows.scale_log2,
-          head_rows<const unsigned short>(p.q, bc.batch, bc.head),
-          head_rows<const unsigned short>(p.dout, bc.batch, bc.head),
-          head_rows<const unsigned short>(p.k, bc.batch, kv_head),
-          head_rows<const unsigned short>(p.v, bc.batch, kv_head),
-          head_rows<const float>(p.lse, bc.batch, bc.head),
-          head_rows<const float>(p.delta, bc.batch, bc.head), row0, Mask::of(p), rows.mod, d, lane);
+          seq.template q_rows<const unsigned short>(p.q, bc.head),
+          seq.template q_rows<const unsigned short>(p.dout, bc.head),
+          seq.template k_rows<const unsigned short>(p.k, kv_head),
+          seq.template k_rows<const unsigned short>(p.v, kv_head),
+          seq.template q_rows<const float>(p.lse, bc.head),
+          seq.template q_rows<const float>(p.delta, bc.head), row0, Mask::of(p, seq.ext), rows.mod,
+          d, lane);
     }
   }
 }
@@ -216,10 +235,19 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 // ---------------------------------------------------------------------------------------------
 // dK and dV
 
+struct PackedItem {
+  int nq, nk, batch, head;
+};
+
 template <int ITEM_BUFS, int STAGES>
 struct TmaDkdvBarriers {
   unsigned long long kv_full[ITEM_BUFS], kv_empty[ITEM_BUFS];  // K and V of a work item
   unsigned long long q_full[STAGES], q_empty[STAGES];
+  // Packed: the item's sequence (its query rows and keys) and key/value head, written by the
+  // producer before kv_full's arrival. The consumers read them here on each query tile and for the
+  // epilogue: held in registers through the loop, or decoded again from the item (64-bit
+  // divisions) beside the accumulators, they made the packed instances spill 8-64 B.
+  PackedItem item[ITEM_BUFS];
 };
 
 template <typename Elem, int HD, int BM, int BN, int STAGES, int FEATURES>
@@ -231,6 +259,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
   static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
+  constexpr bool PACKED = Features<FEATURES>::PACKED;
   // BN keys per block (64 per consumer warpgroup; at HD = 256, 64 shared by two warpgroups that
   // split the head dim), query tiles of BM rows.
   constexpr bool SPLIT = HD > 128;
@@ -269,17 +298,21 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
-      const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);  // head: key/value head
+      // head: the key/value head
+      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
+      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int n0 = bc.block * BN;
-      const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
+      if (PACKED && n0 >= seq.nk(p)) continue;  // past this sequence's keys
+      const TileRange tiles = Mask::of(p, seq.ext).template query_tiles<!PACKED>(n0, BN, BM);
       const int num_steps = p.group * tiles.count();
       const int buf = acquire_to_fill(bar.kv_empty, round);
       if (lane == 0) {
+        if constexpr (PACKED) bar.item[buf] = PackedItem{seq.nq(p), seq.nk(p), bc.batch, bc.head};
         mbar_arrive_expect_tx(&bar.kv_full[buf], 2 * KEYS_BYTES);
-        tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &maps.k, &bar.kv_full[buf], n0, bc.head,
-                              bc.batch);
-        tma_load_tile<BN, HD>(sV + buf * KEYS_BYTES, &maps.v, &bar.kv_full[buf], n0, bc.head,
-                              bc.batch);
+        tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &maps.k, &bar.kv_full[buf], seq.k_coord(n0),
+                              bc.head, seq.map_batch());
+        tma_load_tile<BN, HD>(sV + buf * KEYS_BYTES, &maps.v, &bar.kv_full[buf], seq.k_coord(n0),
+                              bc.head, seq.map_batch());
       }
       for (int s = 0; s < num_steps; ++s, ++pipe) {
         const int stage = pipe % STAGES;
@@ -288,13 +321,12 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         mbar_wait(&bar.q_empty[stage], ((pipe / STAGES) & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&bar.q_full[stage], 2 * ROWS_BYTES);
-          tma_load_tile<BM, HD>(sQ + stage * ROWS_BYTES, &maps.q, &bar.q_full[stage], m0, head,
-                                bc.batch);
-          tma_load_tile<BM, HD>(sdO + stage * ROWS_BYTES, &maps.dout, &bar.q_full[stage], m0, head,
-                                bc.batch);
+          tma_load_tile<BM, HD>(sQ + stage * ROWS_BYTES, &maps.q, &bar.q_full[stage],
+                                seq.q_coord(m0), head, seq.map_batch());
+          tma_load_tile<BM, HD>(sdO + stage * ROWS_BYTES, &maps.dout, &bar.q_full[stage],
+                                seq.q_coord(m0), head, seq.map_batch());
         }
-        stage_lse_and_delta<BM>(s_lse2 + stage * BM, s_delta + stage * BM, p, bc.batch, head, m0,
-                                lane);
+        stage_lse_and_delta<BM>(s_lse2 + stage * BM, s_delta + stage * BM, p, seq, head, m0, lane);
         mbar_arrive(&bar.q_full[stage]);
       }
     }
@@ -303,7 +335,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
 
   Regs::consumer();
   const int key_row0 = Keys::key_row0(warp - 4);  // this warp's keys within the block
-  const int nk = p.seq_k, d = p.head_dim;
+  const int d = p.head_dim;
   Keys keys;
   keys.wg = (warp - 4) >> 2;
   keys.lane = lane;
@@ -312,43 +344,58 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    const int n0 = decode_paired_work(item, p.heads_kv, p.num_blocks).block * BN;
-    const TileRange tiles = Mask::of(p).query_tiles(n0, BN, BM);
+    // The item's coordinates are decoded again where used (held through the loop they cost
+    // registers that the ALiBi instances then spilled; packed: read from shared memory,
+    // TmaDkdvBarriers::item), and the sequence's offsets looked up again for the epilogue.
+    const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
+    const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
+    const int n0 = item_bc.block * BN;
+    if (PACKED && n0 >= ext.nk(p)) continue;  // past this sequence's keys, skipped by the producer too
+    const TileRange tiles = Mask::of(p, ext).template query_tiles<!PACKED>(n0, BN, BM);
     const int num_steps = p.group * tiles.count();
     // Masked tiles of every head first (mask.cuh, query_step_at); rows that they made non-finite
     // are flagged and recomputed at the end (repair.cuh).
     const int masked_steps = masked_query_steps(tiles, p.group);
     unsigned repair = 0;
-#pragma unroll
     keys.key0 = n0 + key_row0 + (lane >> 2);
     keys.clear();
     const int buf = acquire_to_read(bar.kv_full, round);
     keys.sK = sK + buf * KEYS_BYTES;
     keys.sV = sV + buf * KEYS_BYTES;
+    auto extents = [&]() {
+      if constexpr (PACKED) return Extents<PACKED>{bar.item[buf].nq, bar.item[buf].nk};
+      else return ext;
+    };
+    auto coords = [&]() {  // (batch, key/value head) of the item
+      if constexpr (PACKED) return BlockCoords{bar.item[buf].batch, bar.item[buf].head, 0};
+      else return decode_sequence_work<PACKED>(p, item, p.heads_kv);
+    };
     for (int s = 0; s < num_steps; ++s, ++pipe) {
       const int stage = pipe % STAGES;
       mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
       const QueryStep at = query_step_at(s, tiles, p.group);
       if constexpr (Mod::ANY) {
-        const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
-        keys.mod = Mod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale));
+        const BlockCoords bc = coords();
+        keys.mod = Mod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale),
+                           extents());
       }
       keys.step(s < masked_steps, at.tile * BM,
                 sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
-                s_delta + stage * BM, Mask::of(p));
+                s_delta + stage * BM, Mask::of(p, extents()));
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       if (s == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
     }
+    const BlockCoords bc = coords();
     __syncwarp();
     if (lane == 0) mbar_arrive(&bar.kv_empty[buf]);
 
     // Epilogue: dK = scale * acc_dk and dV (this warpgroup's columns), from registers.
     const float scale = static_cast<float>(p.scale);
-    const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
+    const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
     const int col0 = keys.col0(), cols = d - col0;  // cols <= 0: nothing of d in this half
-    unsigned short* dk_head = head_ptr<unsigned short>(p.dk, bc.batch, bc.head) + col0;
-    unsigned short* dv_head = head_ptr<unsigned short>(p.dv, bc.batch, bc.head) + col0;
-    const int key0 = n0 + key_row0;
+    unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, bc.head) + col0;
+    unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, bc.head) + col0;
+    const int key0 = n0 + key_row0, nk = seq.nk(p);
     store_accumulator_rows<Elem, NT_D>(dk_head, p.dk.seq, key0, nk, cols, keys.acc_dk, scale, lane);
     store_accumulator_rows<Elem, NT_D>(dv_head, p.dv.seq, key0, nk, cols, keys.acc_dv, 1.f, lane);
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
@@ -356,9 +403,10 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
       // dk and dv are allocated alike: one row stride for both
       recompute_dkdv_rows<Elem, HD, Keys::COLS, Mod>(
           dk_head - col0 + key0 * p.dk.seq, dv_head - col0 + key0 * p.dv.seq, p.dk.seq,
-          min(cols, Keys::COLS), repair, scale, keys.scale_log2, p, bc.batch, bc.head,
-          head_rows<const unsigned short>(p.k, bc.batch, bc.head),
-          head_rows<const unsigned short>(p.v, bc.batch, bc.head), key0, col0, Mask::of(p), lane);
+          min(cols, Keys::COLS), repair, scale, keys.scale_log2, p, seq, bc.head,
+          seq.template k_rows<const unsigned short>(p.k, bc.head),
+          seq.template k_rows<const unsigned short>(p.v, bc.head), key0, col0, Mask::of(p, seq.ext),
+          lane);
     }
   }
 }

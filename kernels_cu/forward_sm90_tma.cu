@@ -73,31 +73,6 @@ struct ForwardMaps {
   TensorMap q, k, v, o;
 };
 
-// Work item -> (row slot, head, sequence): decode_paired_work's list of whole heads (consecutive
-// items share a head's keys in L2). Packed calls rotate each head's slots (pairs, when paired) by
-// the head's index in the list: a short sequence has real slots only at a few positions of its
-// num_blocks (the rest lie past its rows), and a block-per-SM walk (item = step G + block) hands
-// the same positions of every head to the blocks whose index matches them modulo
-// gcd(G, num_blocks): on a long-tailed batch the busiest block had 1.2-2.5x the mean work,
-// 1.03-1.14x rotated (simulated on five draws). A list by slot level (slot r of every head, then r + 1) is as
-// balanced but lost the L2 sharing: equal lengths ran 25-30% slower (docs/perf/NOTES.md, v13).
-template <bool PACKED>
-__device__ __forceinline__ BlockCoords decode_forward_work(const Params& p, i64 item) {
-  if constexpr (!PACKED) {
-    return decode_paired_work(item, p.heads_q, p.num_blocks);
-  } else {
-    const int units = p.paired ? p.num_blocks / 2 : p.num_blocks;  // per (sequence, head)
-    const i64 unit_item = p.paired ? item >> 1 : item;
-    const i64 group = unit_item / units;
-    const int unit = static_cast<int>((unit_item - group * units + group % units) % units);
-    BlockCoords c;
-    c.batch = static_cast<int>(group / p.heads_q);
-    c.head = static_cast<int>(group - static_cast<i64>(c.batch) * p.heads_q);
-    c.block = !p.paired || (item & 1) ? unit : p.num_blocks - 1 - unit;
-    return c;
-  }
-}
-
 // The first query row of work slot `block` of a sequence (the file's top: "Row blocks", "Packed").
 template <int BM, bool PACKED>
 __device__ __forceinline__ int slot_row0(const Params& p, const Seq<PACKED>& seq, int block) {
@@ -179,7 +154,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= p.num_work) continue;
-      const BlockCoords bc = decode_forward_work<PACKED>(p, item);
+      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
       const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
       if (m0 + BM <= 0 || m0 >= seq.nq(p)) continue;  // an empty slot (row_shift above)
@@ -233,7 +208,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    const BlockCoords bc = decode_forward_work<PACKED>(p, item);
+    const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
     const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
     blk.m0 = slot_row0<BM>(p, seq, bc.block);
     if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too

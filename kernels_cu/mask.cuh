@@ -86,15 +86,18 @@ struct Mask {
     return tiles_between(some, every, bn, false);
   }
 
-  // Query tiles of bm rows for the keys [n0, n0 + bn). Padding query rows (>= nq) need no mask:
-  // their lse (+inf) and dO (0) neutralise them; nor do padding keys (>= nk), whose rows of dK
-  // and dV are never stored.
+  // Query tiles of bm rows for the keys [n0, n0 + bn). Padding query rows (>= nq) that read as
+  // zeros (ZERO_PADDING) need no mask: their lse (+inf) and dO (0) neutralise them; nor do padding
+  // keys (>= nk), whose rows of dK and dV are never stored. The packed TMA dK/dV kernel reads the
+  // next sequence's rows there, whose NaN or Inf a P of 0 would spread (0 x NaN): with
+  // ZERO_PADDING false the tile that holds them is a masked one, which the repair checks.
+  template <bool ZERO_PADDING = true>
   __host__ __device__ __forceinline__ TileRange query_tiles(int n0, int bn, int bm) const {
     const int k1 = min(n0 + bn, nk) - 1;
     const Bounds some = Bounds{queries_of(n0).first, queries_of(k1).last};
     if (k1 < n0 || some.last < some.first) return TileRange{0, 0, 0, 0};
     const Bounds every = Bounds{queries_of(k1).first, queries_of(n0).last};
-    return tiles_between(some, every, bm, every.last >= nq - 1);
+    return tiles_between(some, every, bm, ZERO_PADDING && every.last >= nq - 1);
   }
 
  private:

@@ -145,4 +145,31 @@ struct Seq {
   __device__ __forceinline__ int map_batch() const { return PACKED ? 0 : batch; }
 };
 
+// Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
+// dK/dV; `heads`: the heads of the list, query heads or key/value heads): decode_paired_work's list
+// of whole heads (consecutive items share a head's keys in L2). Packed calls rotate each head's
+// blocks (pairs, when paired: the host then gives an even num_blocks) by the head's index in the
+// list: a short sequence has real blocks only at a few positions of its num_blocks (the rest lie
+// past its rows), and a block-per-SM walk (item = step G + block) hands the same positions of
+// every head to the blocks whose index matches them modulo gcd(G, num_blocks): on a long-tailed
+// batch the busiest block had 1.2-2.5x the mean work, 1.03-1.14x rotated (simulated on five
+// draws). A list by slot level (slot r of every head, then r + 1) is as balanced but lost the L2
+// sharing: equal lengths ran 25-30% slower (docs/perf/NOTES.md, v13).
+template <bool PACKED>
+__device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item, int heads) {
+  if constexpr (!PACKED) {
+    return decode_paired_work(item, heads, p.num_blocks);
+  } else {
+    const int units = p.paired ? p.num_blocks / 2 : p.num_blocks;  // per (sequence, head)
+    const i64 unit_item = p.paired ? item >> 1 : item;
+    const i64 group = unit_item / units;
+    const int unit = static_cast<int>((unit_item - group * units + group % units) % units);
+    BlockCoords c;
+    c.batch = static_cast<int>(group / heads);
+    c.head = static_cast<int>(group - static_cast<i64>(c.batch) * heads);
+    c.block = !p.paired || (item & 1) ? unit : p.num_blocks - 1 - unit;
+    return c;
+  }
+}
+
 }  // namespace cuflash

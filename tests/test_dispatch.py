@@ -163,7 +163,8 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     """A packed call (q (Tq, Hq, d), k and v (Tk, Hkv, d)) on Hopper: the TMA forward, its maps
     covering the packed tensors as one sequence, one work slot per row block of the longest
     sequence, end-aligned per sequence under causal masking (the kernel finds each sequence's
-    rows); the backward stays off the TMA kernels, which have no packed instances."""
+    rows); the backward on the TMA kernels too, over the same maps, each with an even count of
+    row blocks per head under causal masking (paired, rotated work lists)."""
     p = problem(
         batch=5, seq_q=2100, seq_k=3000, head_dim=64, packed=True, total_q=5000, total_k=7000
     )
@@ -180,4 +181,17 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     alibi = replace(p, alibi=True)
     assert _dispatch.forward(alibi, strides, "sm_90a", 132).aligned.spec.rows_per_block == 128
     launches = _dispatch.backward(p, strides, "sm_90a", 132)
-    assert launches.dkdv.aligned.spec.path != "tma" and launches.dq.aligned.spec.path != "tma"
+    dkdv, dq = launches.dkdv.aligned, launches.dq.aligned
+    assert dkdv.spec.path == dq.spec.path == "tma"
+    assert dkdv.spec.features & dq.spec.features & _kernels.FEATURE_PACKED
+    assert dkdv.paired and dq.paired
+    assert dkdv.num_blocks == 24 and dkdv.num_work == 24 * 5 * 2  # 3000 keys, 128 per block
+    assert dq.num_blocks == 18 and dq.num_work == 18 * 5 * 8  # 17 blocks of 128 rows, even
+    assert dict(dq.maps) == {"q": 64, "k": 64, "v": 64, "dout": 64}
+    assert launches.dq.unaligned.spec.path != "tma"
+    # not causal: the block counts as they come, taken one at a time
+    plain = _dispatch.backward(replace(p, window=(None, None)), strides, "sm_90a", 132)
+    assert plain.dq.aligned.num_blocks == 17 and not plain.dq.aligned.paired
+    # d = 64 with ALiBi: the TMA dK/dV kernel spills, so both take the cp.async kernels
+    with_alibi = _dispatch.backward(alibi, strides, "sm_90a", 132)
+    assert with_alibi.dkdv.aligned.spec.path != "tma" and with_alibi.dq.aligned.spec.path != "tma"

@@ -67,6 +67,12 @@ def check_ranges(mask: _mask.Mask, bm: int, bn: int) -> None:
             assert tiles_seen[t.begin] and tiles_seen[t.end - 1]
         for i in range(t.full_begin, t.full_end):
             assert block[i * bm : (i + 1) * bm].all()
+        # padding rows that hold another sequence's values (packed TMA dK/dV): the same tiles, and
+        # a full one holds no padding row
+        z = mask.query_tiles(n0, bn, bm, zero_padding=False)
+        assert (z.begin, z.end, z.full_begin) == (t.begin, t.end, t.full_begin)
+        for i in range(z.full_begin, z.full_end):
+            assert (i + 1) * bm <= mask.nq and block[i * bm : (i + 1) * bm].all()
         first, last = mask.queries_of(np.arange(cols.start, cols.stop))
         for c, (f, la) in enumerate(zip(first, last, strict=True)):
             np.testing.assert_array_equal(
@@ -115,6 +121,9 @@ int main() {
         std::printf(" %d:%d", s.head, s.tile);
       }
       std::printf("\n");
+      cuflash::TileRange z = is_local ? local.query_tiles<false>(n0, bn, bm)
+                                      : plain.query_tiles<false>(n0, bn, bm);
+      std::printf("z %d %d %d %d\n", z.begin, z.full_begin, z.full_end, z.end);
     }
   }
   return 0;
@@ -137,6 +146,8 @@ def _mirror_lines(mask: _mask.Mask, bm: int, bn: int) -> list[str]:
         steps += [(h, j) for h in range(3) for j in order[t.masked :]]
         steps_text = "".join(f" {h}:{j}" for h, j in steps)
         lines.append(f"q {t.begin} {t.full_begin} {t.full_end} {t.end}{steps_text}")
+        z = mask.query_tiles(n0, bn, bm, zero_padding=False)
+        lines.append(f"z {z.begin} {z.full_begin} {z.full_end} {z.end}")
     return lines
 
 
