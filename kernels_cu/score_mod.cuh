@@ -16,18 +16,24 @@
 
 namespace cuflash {
 
-// tanh(x) = 1 - 2 / (exp(2x) + 1) with two MUFU operations (ex2, rcp) and an absolute error near
-// 1e-7: tanh.approx.f32's relative 2^-11 would put an error of c * 2^-11 into every saturated score,
-// as large as a float16 score's own rounding. Saturates cleanly: exp(2x) = inf gives 1, 0 gives -1.
-__device__ __forceinline__ float tanh_fast(float x) {
-  const float e = fast_exp2(x * 2.8853900817779268f);  // exp(2x)
-  return 1.f - __fdividef(2.f, e + 1.f);
+// The tensor-core kernels' tanh: tanh(x) = 1 - 2 r with r = 1 / (exp(2x) + 1), two MUFU operations
+// (ex2, rcp) and an absolute error near 1e-7: tanh.approx.f32's relative 2^-11 would put an error
+// of c * 2^-11 into every saturated score, as large as a float16 score's own rounding. Saturates
+// cleanly: exp(2x) = inf gives r = 0, tanh 1; exp(2x) = 0 gives r = 1, tanh -1. The factor
+// 2 log2(e) of exp(2x) = 2^(2 log2(e) x) is folded into the caller's scale (ScoreMod::cap_in):
+// five instructions per score (FMUL, MUFU.EX2, FADD, MUFU.RCP, FFMA for c tanh) where the first
+// form took eight (a separate FMUL each for 1 / c and 2 log2(e), an FMUL for 2 r, an FADD, and the
+// FMUL by c), which cost the d = 128 forward 13% of its time (docs/perf/NOTES.md, v16).
+constexpr float TWO_LOG2E = 2.8853900817779268f;
+
+__device__ __forceinline__ float tanh_complement(float x_two_log2e) {  // r of tanh(x) = 1 - 2 r
+  return fast_rcp(fast_exp2(x_two_log2e) + 1.f);
 }
 
 template <bool SOFTCAP, bool ALIBI, typename T = float, bool PRECISE = false>
 struct ScoreMod {
   static constexpr bool ANY = SOFTCAP || ALIBI;
-  T cap_in, cap_out;  // softcap: u / c and c / u
+  T cap_in, cap_out;  // softcap: u / c (times TWO_LOG2E where !PRECISE) and c / u
   T slope;            // ALiBi: this (batch, head)'s slope / u
   int diag_offset;    // nk - nq: query i sits at key position i + nk - nq
 
@@ -42,7 +48,7 @@ struct ScoreMod {
     ScoreMod m;
     m.cap_in = m.cap_out = m.slope = T(0);
     if constexpr (SOFTCAP) {
-      m.cap_in = unit / T(p.softcap);
+      m.cap_in = unit / T(p.softcap) * (PRECISE ? T(1) : T(TWO_LOG2E));
       m.cap_out = T(p.softcap) / unit;
     }
     if constexpr (ALIBI) m.slope = T(*head_ptr<const float>(p.alibi, batch, head)) / unit;
@@ -54,9 +60,8 @@ struct ScoreMod {
   // loops over a row's keys).
   __device__ __forceinline__ T row_pos(int i) const { return T(i + diag_offset); }
 
-  static __device__ __forceinline__ T tanh_of(T x) {
-    if constexpr (!PRECISE) return tanh_fast(x);
-    else if constexpr (sizeof(T) == 4) return tanhf(x);
+  static __device__ __forceinline__ T tanh_of(T x) {  // PRECISE
+    if constexpr (sizeof(T) == 4) return tanhf(x);
     else return tanh(x);
   }
 
@@ -64,10 +69,15 @@ struct ScoreMod {
   // (1 without softcap).
   __device__ __forceinline__ T operator()(T s, T row, T col, T& dcap) const {
     dcap = T(1);
-    if constexpr (SOFTCAP) {
+    if constexpr (SOFTCAP && PRECISE) {
       const T t = tanh_of(s * cap_in);
       s = cap_out * t;
       dcap = T(1) - t * t;
+    } else if constexpr (SOFTCAP) {
+      const float r = tanh_complement(s * cap_in);
+      const float t = fmaf(-2.f, r, 1.f);  // the backward's; the forward drops it
+      dcap = 1.f - t * t;
+      s = fmaf(-2.f * cap_out, r, cap_out);  // c (1 - 2 r); -2 c / u is hoisted out of the loops
     }
     if constexpr (ALIBI) s -= slope * fabs(row - col);
     return s;

@@ -1,0 +1,72 @@
+"""A few eager attention calls of one shape, for profilers (ncu, nsys): no timing of its own.
+
+    ncu --kernel-name regex:attention_forward --launch-skip 2 --launch-count 1 \
+        python bench/profile_attention.py --seq 4096 --head-dim 128 [--softcap 30] [--alibi]
+
+bf16, B = 4, Hq = Hkv = 16 (the benchmark's 4k point); --causal, --window LEFT for the masks;
+--backward adds the backward to each call; --packed runs the same B sequences as one packed batch
+(attention_varlen_*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cuflash  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--softcap", type=float, default=None)
+    parser.add_argument("--alibi", action="store_true")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args()
+    b, n = args.batch, args.seq
+    shape = (b, n, args.heads, args.head_dim)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    slopes = None
+    if args.alibi:
+        slopes = torch.rand(args.heads, device="cuda", dtype=torch.float32)
+    window = None if args.window is None else (args.window, 0)
+    options = dict(causal=args.causal, window=window, softcap=args.softcap, alibi_slopes=slopes)
+    if args.packed:
+        q, k, v, do = (x.view(b * n, *shape[2:]) for x in (q, k, v, do))
+        cu = torch.arange(0, b * n + 1, n, device="cuda", dtype=torch.int32)
+        options.update(max_seqlen_q=n, max_seqlen_k=n)
+
+        def forward():
+            return cuflash.attention_varlen_forward(q, k, v, cu, cu, **options)
+
+        def backward(o, lse):
+            return cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu, cu, **options)
+    else:
+
+        def forward():
+            return cuflash.attention_forward(q, k, v, **options)
+
+        def backward(o, lse):
+            return cuflash.attention_backward(do, q, k, v, o, lse, **options)
+
+    for _ in range(args.calls):
+        o, lse = forward()
+        if args.backward:
+            backward(o, lse)
+    torch.cuda.synchronize()
+    print(f"{args.calls} calls of {shape}, packed {args.packed}, {options}")
+
+
+if __name__ == "__main__":
+    main()
