@@ -360,16 +360,16 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
         smem = tiles_rows * row_bytes + 8 * (2 * bufs + 3 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
-    # Both backward kernels: a packed work item's record per buffer (32 bytes).
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
         smem = (2 * bufs * bm + 2 * stages * bn) * row_bytes + 8 * bufs * bm
-        smem += 8 * (2 * bufs + 2 * stages) + 32 * bufs + 1024
+        smem += 8 * (2 * bufs + 2 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
-    # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each. The block owns BN keys: 64 per consumer warpgroup, or (hd > 128) 64 shared by two
-    # warpgroups that split the head dim.
+    # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each, and a packed item's
+    # sequence and head per buffer. The block owns BN keys: 64 per consumer warpgroup, or
+    # (hd > 128) 64 shared by two warpgroups that split the head dim.
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
-    smem += 8 * (2 * bufs + 2 * stages) + 32 * bufs + 1024
+    smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
 

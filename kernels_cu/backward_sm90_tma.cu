@@ -24,8 +24,7 @@
 //
 // Packed sequences (PACKED), as in forward_sm90_tma.cu: the maps cover the packed tensors, an
 // item's rows are its sequence's (Seq, params.cuh), blocks past a sequence's rows are empty, and
-// the work list rotates each head's blocks (decode_sequence_work). The producer alone walks the
-// list and hands the consumers each item it loads (PackedItem). Boxes that reach past the
+// the work list rotates each head's blocks (decode_sequence_work). Boxes that reach past the
 // sequence read the next one's rows: its keys are masked (the tile at the end of the keys is a
 // masked one), its query rows have lse +inf (P = 0) and are never written, and the dK/dV kernel's
 // query tile at the end of the rows is a masked one too (Mask::query_tiles<false>), so that a NaN
@@ -62,23 +61,6 @@ struct BackwardMaps {
   TensorMap q, k, v, dout;
 };
 
-// Packed calls: the producer walks the work list alone and hands each item it loads to the
-// consumers in the item buffer's record, written before the buffer's "full" arrival; a record of
-// block -1 ends the list. The consumers then neither read the offsets (a dependent global load at
-// every item, empty slots included, and one more for the epilogue: packed calls ran 0-20% behind
-// dense ones of equal lengths, docs/perf/NOTES.md, v16) nor decode the list (64-bit divisions),
-// and hold none of it through their loops.
-struct PackedItem {
-  int block, batch, head, nq, nk, q0, k0, unused;
-  __device__ __forceinline__ Extents<true> ext() const { return Extents<true>{nq, nk}; }
-  __device__ __forceinline__ Seq<true> seq() const { return Seq<true>{batch, ext(), q0, k0}; }
-  static __device__ __forceinline__ PackedItem of(const BlockCoords& bc, const Seq<true>& s,
-                                                  const Params& p) {
-    return PackedItem{bc.block, bc.batch, bc.head, s.nq(p), s.nk(p), static_cast<int>(s.q0),
-                      static_cast<int>(s.k0), 0};
-  }
-};
-
 // Producer warp: stages lse2 and D of query rows [m0, m0 + ROWS) of head `head` of sequence `seq`,
 // one row per lane.
 template <int ROWS, bool PACKED>
@@ -103,7 +85,6 @@ template <int ITEM_BUFS, int STAGES>
 struct TmaDqBarriers {
   unsigned long long q_full[ITEM_BUFS], q_empty[ITEM_BUFS];  // Q, dO, lse2, D of a work item
   unsigned long long kv_full[STAGES], kv_empty[STAGES];
-  PackedItem item[ITEM_BUFS];  // packed: the work item in each buffer
 };
 
 template <typename Elem, int HD, int BM, int BN, int STAGES, int FEATURES>
@@ -155,7 +136,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const TileRange tiles = Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
       const int buf = acquire_to_fill(bar.q_empty, round);
       if (lane == 0) {
-        if constexpr (PACKED) bar.item[buf] = PackedItem::of(bc, seq, p);
         mbar_arrive_expect_tx(&bar.q_full[buf], 2 * ROWS_BYTES);
         tma_load_tile<BM, HD>(sQ + buf * ROWS_BYTES, &maps.q, &bar.q_full[buf], seq.q_coord(m0),
                               bc.head, seq.map_batch());
@@ -177,14 +157,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         }
       }
     }
-    if constexpr (PACKED) {  // the end of the list: a record of block -1, no copies
-      const int buf = acquire_to_fill(bar.q_empty, round);
-      if (lane == 0) {
-        bar.item[buf].block = -1;
-        mbar_arrive(&bar.q_full[buf]);
-      }
-      mbar_arrive(&bar.q_full[buf]);
-    }
     return;
   }
 
@@ -196,75 +168,16 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   rows.lane = lane;
   rows.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   int pipe = 0, round = 0;
-  if constexpr (PACKED) {
-    // The items the producer loads, until its record of block -1 (PackedItem). The loop body is
-    // the dense one's below with the item's fields from the record: one body for both moved the
-    // dense instances' registers into spills (12-20 B at d = 128 with a window or ALiBi).
-    for (;;) {
-      const int buf = acquire_to_read(bar.q_full, round);
-      const PackedItem& rec = bar.item[buf];
-      if (rec.block < 0) break;
-      const Extents<PACKED> ext = rec.ext();
-      const int m0 = rec.block * BM;
-      const TileRange tiles = Mask::of(p, ext).key_tiles(m0, BM, BN);
-      const int masked_tiles = tiles.masked(), count = tiles.count();
-      unsigned repair = 0;
-      rows.sQ = sQ + buf * ROWS_BYTES;
-      rows.sdO = sdO + buf * ROWS_BYTES;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + (lane >> 2) + 8 * r;
-        rows.lse2[r] = s_lse2[buf * BM + row];
-        rows.dlt[r] = s_delta[buf * BM + row];
-      }
-      rows.row0 = m0 + warp_row0 + (lane >> 2);
-      if constexpr (Mod::ANY)
-        rows.mod = Mod::of(p, rec.batch, rec.head, static_cast<float>(p.scale), ext);
-      rows.clear();
-      for (int it = 0; it < count; ++it, ++pipe) {
-        const int stage = pipe % STAGES;
-        mbar_wait(&bar.kv_full[stage], (pipe / STAGES) & 1);
-        rows.step(it < masked_tiles, tiles.at(it) * BN, sK + stage * KV_BYTES,
-                  sV + stage * KV_BYTES, Mask::of(p, ext));
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);
-        if (it == masked_tiles - 1)
-          repair = nonfinite_rows(reinterpret_cast<float (&)[1][NT_D][4]>(rows.acc_dq));
-      }
-      const Seq<PACKED> seq = rec.seq();
-      const int head = rec.head;
-      mbar_arrive(&bar.q_empty[buf]);  // every thread: its loads of lse2, D and the record are done
-
-      // Epilogue, as below.
-      const float scale = static_cast<float>(p.scale);
-      unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, head);
-      const int row0 = m0 + warp_row0;
-      store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, seq.nq(p), d, rows.acc_dq,
-                                         scale, lane);
-      if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
-        __syncwarp();
-        const int kv_head = head / p.group;
-        recompute_dq_rows<Elem, HD, 1>(
-            dq_head + row0 * p.dq.seq, p.dq.seq, d, repair, scale, rows.scale_log2,
-            seq.template q_rows<const unsigned short>(p.q, head),
-            seq.template q_rows<const unsigned short>(p.dout, head),
-            seq.template k_rows<const unsigned short>(p.k, kv_head),
-            seq.template k_rows<const unsigned short>(p.v, kv_head),
-            seq.template q_rows<const float>(p.lse, head),
-            seq.template q_rows<const float>(p.delta, head), row0, Mask::of(p, seq.ext),
-            rows.mod, d, lane);
-      }
-    }
-    return;
-  }
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    // The item's coordinates are decoded again where used: held through the loop they cost
-    // registers.
+    // The item's coordinates are decoded again where used, and the sequence's offsets looked up
+    // again for the epilogue (as in the dK/dV kernel); its extents (registers: packed) go through
+    // the loop in the mask.
     const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
     const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
     const int m0 = item_bc.block * BM;
+    if (PACKED && m0 >= ext.nq(p)) continue;  // past this sequence's rows, skipped by the producer too
     const TileRange tiles = Mask::of(p, ext).key_tiles(m0, BM, BN);
     // Masked tiles first (mask.cuh, TileRange::at); rows that they made non-finite are flagged
     // and recomputed at the end (repair.cuh).
@@ -322,13 +235,18 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 // ---------------------------------------------------------------------------------------------
 // dK and dV
 
+struct PackedItem {
+  int nq, nk, batch, head;
+};
+
 template <int ITEM_BUFS, int STAGES>
 struct TmaDkdvBarriers {
   unsigned long long kv_full[ITEM_BUFS], kv_empty[ITEM_BUFS];  // K and V of a work item
   unsigned long long q_full[STAGES], q_empty[STAGES];
-  // Packed: the work item in each buffer. The consumers read its sequence's extents and head here
-  // on each query tile: held in registers through the loop they made the packed instances spill
-  // 8-64 B.
+  // Packed: the item's sequence (its query rows and keys) and key/value head, written by the
+  // producer before kv_full's arrival. The consumers read them here on each query tile and for the
+  // epilogue: held in registers through the loop, or decoded again from the item (64-bit
+  // divisions) beside the accumulators, they made the packed instances spill 8-64 B.
   PackedItem item[ITEM_BUFS];
 };
 
@@ -389,7 +307,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
       const int num_steps = p.group * tiles.count();
       const int buf = acquire_to_fill(bar.kv_empty, round);
       if (lane == 0) {
-        if constexpr (PACKED) bar.item[buf] = PackedItem::of(bc, seq, p);
+        if constexpr (PACKED) bar.item[buf] = PackedItem{seq.nq(p), seq.nk(p), bc.batch, bc.head};
         mbar_arrive_expect_tx(&bar.kv_full[buf], 2 * KEYS_BYTES);
         tma_load_tile<BN, HD>(sK + buf * KEYS_BYTES, &maps.k, &bar.kv_full[buf], seq.k_coord(n0),
                               bc.head, seq.map_batch());
@@ -412,13 +330,6 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         mbar_arrive(&bar.q_full[stage]);
       }
     }
-    if constexpr (PACKED) {  // the end of the list: a record of block -1, no copies
-      const int buf = acquire_to_fill(bar.kv_empty, round);
-      if (lane == 0) {
-        bar.item[buf].block = -1;
-        mbar_arrive(&bar.kv_full[buf]);
-      }
-    }
     return;
   }
 
@@ -430,72 +341,17 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   keys.lane = lane;
   keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   int pipe = 0, round = 0;
-  if constexpr (PACKED) {
-    // The items the producer loads, until its record of block -1 (PackedItem); the loop body is
-    // the dense one's below (as in the dQ kernel), with the sequence's extents and head read from
-    // the record where used: held in registers through the loop they made these instances spill.
-    for (;;) {
-      const int buf = acquire_to_read(bar.kv_full, round);
-      const PackedItem& rec = bar.item[buf];
-      if (rec.block < 0) break;
-      const int n0 = rec.block * BN;
-      const TileRange tiles = Mask::of(p, rec.ext()).template query_tiles<false>(n0, BN, BM);
-      const int num_steps = p.group * tiles.count();
-      const int masked_steps = masked_query_steps(tiles, p.group);
-      unsigned repair = 0;
-      keys.key0 = n0 + key_row0 + (lane >> 2);
-      keys.clear();
-      keys.sK = sK + buf * KEYS_BYTES;
-      keys.sV = sV + buf * KEYS_BYTES;
-      for (int s = 0; s < num_steps; ++s, ++pipe) {
-        const int stage = pipe % STAGES;
-        mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
-        const QueryStep at = query_step_at(s, tiles, p.group);
-        if constexpr (Mod::ANY)
-          keys.mod = Mod::of(p, rec.batch, rec.head * p.group + at.head,
-                             static_cast<float>(p.scale), rec.ext());
-        keys.step(s < masked_steps, at.tile * BM,
-                  sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
-                  s_delta + stage * BM, Mask::of(p, rec.ext()));
-        mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
-        if (s == masked_steps - 1) repair = nonfinite_rows(keys.acc_dk, keys.acc_dv);
-      }
-      const Seq<PACKED> seq = rec.seq();
-      const int head = rec.head;
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&bar.kv_empty[buf]);
-
-      // Epilogue, as below.
-      const float scale = static_cast<float>(p.scale);
-      const int col0 = keys.col0(), cols = d - col0;  // cols <= 0: nothing of d in this half
-      unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, head) + col0;
-      unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, head) + col0;
-      const int key0 = n0 + key_row0, nk = seq.nk(p);
-      store_accumulator_rows<Elem, NT_D>(dk_head, p.dk.seq, key0, nk, cols, keys.acc_dk, scale,
-                                         lane);
-      store_accumulator_rows<Elem, NT_D>(dv_head, p.dv.seq, key0, nk, cols, keys.acc_dv, 1.f,
-                                         lane);
-      if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
-        __syncwarp();
-        recompute_dkdv_rows<Elem, HD, Keys::COLS, Mod>(
-            dk_head - col0 + key0 * p.dk.seq, dv_head - col0 + key0 * p.dv.seq, p.dk.seq,
-            min(cols, Keys::COLS), repair, scale, keys.scale_log2, p, seq, head,
-            seq.template k_rows<const unsigned short>(p.k, head),
-            seq.template k_rows<const unsigned short>(p.v, head), key0, col0,
-            Mask::of(p, seq.ext), lane);
-      }
-    }
-    return;
-  }
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= p.num_work) continue;
-    // The item's coordinates are decoded again where used: held through the loop they cost
-    // registers that the ALiBi instances then spilled.
+    // The item's coordinates are decoded again where used (held through the loop they cost
+    // registers that the ALiBi instances then spilled; packed: read from shared memory,
+    // TmaDkdvBarriers::item), and the sequence's offsets looked up again for the epilogue.
     const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
     const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
     const int n0 = item_bc.block * BN;
-    const TileRange tiles = Mask::of(p, ext).query_tiles(n0, BN, BM);
+    if (PACKED && n0 >= ext.nk(p)) continue;  // past this sequence's keys, skipped by the producer too
+    const TileRange tiles = Mask::of(p, ext).template query_tiles<!PACKED>(n0, BN, BM);
     const int num_steps = p.group * tiles.count();
     // Masked tiles of every head first (mask.cuh, query_step_at); rows that they made non-finite
     // are flagged and recomputed at the end (repair.cuh).
@@ -506,9 +362,13 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     const int buf = acquire_to_read(bar.kv_full, round);
     keys.sK = sK + buf * KEYS_BYTES;
     keys.sV = sV + buf * KEYS_BYTES;
-    auto extents = [&]() { return ext; };
+    auto extents = [&]() {
+      if constexpr (PACKED) return Extents<PACKED>{bar.item[buf].nq, bar.item[buf].nk};
+      else return ext;
+    };
     auto coords = [&]() {  // (batch, key/value head) of the item
-      return decode_sequence_work<PACKED>(p, item, p.heads_kv);
+      if constexpr (PACKED) return BlockCoords{bar.item[buf].batch, bar.item[buf].head, 0};
+      else return decode_sequence_work<PACKED>(p, item, p.heads_kv);
     };
     for (int s = 0; s < num_steps; ++s, ++pipe) {
       const int stage = pipe % STAGES;
