@@ -16,18 +16,20 @@
 
 namespace cuflash {
 
-// The tensor-core kernels' tanh: tanh(x) = 1 - 2 r with r = 1 / (exp(2x) + 1), two MUFU operations
-// (ex2, rcp) and an absolute error near 1e-7: tanh.approx.f32's relative 2^-11 would put an error
-// of c * 2^-11 into every saturated score, as large as a float16 score's own rounding. Saturates
-// cleanly: exp(2x) = inf gives r = 0, tanh 1; exp(2x) = 0 gives r = 1, tanh -1. The factor
-// 2 log2(e) of exp(2x) = 2^(2 log2(e) x) is folded into the caller's scale (ScoreMod::cap_in):
-// five instructions per score (FMUL, MUFU.EX2, FADD, MUFU.RCP, FFMA for c tanh) where the first
-// form took eight (a separate FMUL each for 1 / c and 2 log2(e), an FMUL for 2 r, an FADD, and the
-// FMUL by c), which cost the d = 128 forward 13% of its time (docs/perf/NOTES.md, v16).
+// The tensor-core kernels' tanh: tanh(x) = 1 - r with r = 2 / (exp(2x) + 1) = 1 / (exp(2x) / 2 +
+// 1 / 2), two MUFU operations (ex2, rcp) and an absolute error near 1e-7: tanh.approx.f32's
+// relative 2^-11 would put an error of c * 2^-11 into every saturated score, as large as a float16
+// score's own rounding. Saturates cleanly: exp(2x) = inf gives r = 0, tanh 1; exp(2x) = 0 gives
+// r = 2, tanh -1. The factor 2 log2(e) of exp(2x) = 2^(2 log2(e) x) is folded into the caller's
+// scale (ScoreMod::cap_in), and c tanh = c - c r is one FFMA with a negated operand: five
+// instructions per score in the forward (FMUL, MUFU.EX2, FFMA, MUFU.RCP, FFMA) and no register
+// more, where the first form took eight (docs/perf/NOTES.md, v16). The backward, which also needs
+// 1 - tanh^2, keeps the first form's arithmetic (this one made the mma.sync dK/dV at d = 256
+// spill 16-20 B).
 constexpr float TWO_LOG2E = 2.8853900817779268f;
 
-__device__ __forceinline__ float tanh_complement(float x_two_log2e) {  // r of tanh(x) = 1 - 2 r
-  return fast_rcp(fast_exp2(x_two_log2e) + 1.f);
+__device__ __forceinline__ float tanh_complement(float x_two_log2e) {  // r of tanh(x) = 1 - r
+  return fast_rcp(fmaf(fast_exp2(x_two_log2e), 0.5f, 0.5f));
 }
 
 template <bool SOFTCAP, bool ALIBI, typename T = float, bool PRECISE = false>
@@ -66,27 +68,29 @@ struct ScoreMod {
   }
 
   // s' of score s of the query at `row` (row_pos) against key `col` (as T), and ds'/ds in `dcap`
-  // (1 without softcap).
+  // (1 without softcap): the backward's.
   __device__ __forceinline__ T operator()(T s, T row, T col, T& dcap) const {
     dcap = T(1);
-    if constexpr (SOFTCAP && PRECISE) {
-      const T t = tanh_of(s * cap_in);
+    if constexpr (SOFTCAP) {
+      T t;
+      if constexpr (PRECISE) t = tanh_of(s * cap_in);
+      else t = 1.f - __fdividef(2.f, fast_exp2(s * cap_in) + 1.f);
       s = cap_out * t;
       dcap = T(1) - t * t;
-    } else if constexpr (SOFTCAP) {
-      const float r = tanh_complement(s * cap_in);
-      const float t = fmaf(-2.f, r, 1.f);  // the backward's; the forward drops it
-      dcap = 1.f - t * t;
-      s = fmaf(-2.f * cap_out, r, cap_out);  // c (1 - 2 r); -2 c / u is hoisted out of the loops
     }
-    if constexpr (ALIBI) s -= slope * fabs(row - col);
-    return s;
+    return alibi(s, row, col);
   }
 
-  // The same where ds'/ds is not needed (the forward): the compiler drops its arithmetic.
+  // The same where ds'/ds is not needed: the forward's.
   __device__ __forceinline__ T operator()(T s, T row, T col) const {
-    T unused;
-    return (*this)(s, row, col, unused);
+    if constexpr (SOFTCAP && PRECISE) s = cap_out * tanh_of(s * cap_in);
+    else if constexpr (SOFTCAP) s = fmaf(-cap_out, tanh_complement(s * cap_in), cap_out);
+    return alibi(s, row, col);
+  }
+
+  __device__ __forceinline__ T alibi(T s, T row, T col) const {
+    if constexpr (ALIBI) s -= slope * fabs(row - col);
+    return s;
   }
 
   // Over mma / wgmma accumulator fragments s[MT][NT][4] of query rows and key columns: element
