@@ -21,8 +21,6 @@ struct Features {
   // The score modifiers for scores of type T; PRECISE: the library's tanh (the exact kernels).
   template <typename T = float, bool PRECISE = false>
   using ScoreMod = cuflash::ScoreMod<SOFTCAP, ALIBI, T, PRECISE>;
-  // Those of the tensor-core forward kernels (no ds'/ds: the softcap in fewer instructions).
-  using ForwardScoreMod = cuflash::ScoreMod<SOFTCAP, ALIBI, float, false, true>;
 };
 
 }  // namespace cuflash

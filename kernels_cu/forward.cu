@@ -21,7 +21,7 @@ template <typename Elem_, int HD_, int BM_, int BN_, int NWARPS_, int FEATURES>
 struct ForwardTraits {
   typedef Elem_ Elem;
   typedef typename Features<FEATURES>::Mask Mask;
-  typedef typename Features<FEATURES>::ForwardScoreMod ScoreMod;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr bool PACKED = Features<FEATURES>::PACKED;
   static constexpr int HD = HD_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
   static constexpr int NTHREADS = NWARPS * 32;

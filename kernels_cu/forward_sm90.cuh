@@ -18,7 +18,7 @@ namespace cuflash {
 template <typename Elem, int HD, int BM, int BN, int FEATURES>
 struct Sm90ForwardTraits {
   typedef typename Features<FEATURES>::Mask Mask;
-  typedef typename Features<FEATURES>::ForwardScoreMod ScoreMod;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   static constexpr int WARPGROUPS = BM / 64;
   static constexpr int NTHREADS = WARPGROUPS * 128;
   static constexpr int NT_S = BN / 8, NT_O = HD / 8;

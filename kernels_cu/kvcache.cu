@@ -238,7 +238,7 @@ struct DecodeTraits {
   static constexpr int K_QK = HD / 16;
   static constexpr int THREADS = DECODE_WARPS * 32;
   typedef typename Features<FEATURES>::Mask Mask;
-  typedef typename Features<FEATURES>::ForwardScoreMod ScoreMod;
+  typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
   // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages), then the
   // K and V row offsets of two key tiles, then (BULK) a barrier per stage
   static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2 +
