@@ -109,13 +109,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 1 / x in one MUFU operation (relative error 2^-23; 1 / inf = 0).
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Writes an accumulator row pair (rows g and g + 8 of a warp's 16, times `factor`) as Elem to
 // global memory (the C fragment layout above, one 16-row tile): rows outside [0, nrows) and
 // columns >= d (a multiple of 8) are skipped.

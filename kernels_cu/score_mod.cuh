@@ -16,26 +16,18 @@
 
 namespace cuflash {
 
-// The tensor-core kernels' tanh: tanh(x) = 1 - r with r = 2 / (exp(2x) + 1) = 1 / (exp(2x) / 2 +
-// 1 / 2), two MUFU operations (ex2, rcp) and an absolute error near 1e-7: tanh.approx.f32's
-// relative 2^-11 would put an error of c * 2^-11 into every saturated score, as large as a float16
-// score's own rounding. Saturates cleanly: exp(2x) = inf gives r = 0, tanh 1; exp(2x) = 0 gives
-// r = 2, tanh -1. The factor 2 log2(e) of exp(2x) = 2^(2 log2(e) x) is folded into the caller's
-// scale (ScoreMod::cap_in), and c tanh = c - c r is one FFMA with a negated operand: five
-// instructions per score in the forward (FMUL, MUFU.EX2, FFMA, MUFU.RCP, FFMA) and no register
-// more, where the first form took eight (docs/perf/NOTES.md, v16). The backward, which also needs
-// 1 - tanh^2, keeps the first form's arithmetic (this one made the mma.sync dK/dV at d = 256
-// spill 16-20 B).
-constexpr float TWO_LOG2E = 2.8853900817779268f;
-
-__device__ __forceinline__ float tanh_complement(float x_two_log2e) {  // r of tanh(x) = 1 - r
-  return fast_rcp(fmaf(fast_exp2(x_two_log2e), 0.5f, 0.5f));
+// tanh(x) = 1 - 2 / (exp(2x) + 1) with two MUFU operations (ex2, rcp) and an absolute error near
+// 1e-7: tanh.approx.f32's relative 2^-11 would put an error of c * 2^-11 into every saturated score,
+// as large as a float16 score's own rounding. Saturates cleanly: exp(2x) = inf gives 1, 0 gives -1.
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float e = fast_exp2(x * 2.8853900817779268f);  // exp(2x)
+  return 1.f - __fdividef(2.f, e + 1.f);
 }
 
 template <bool SOFTCAP, bool ALIBI, typename T = float, bool PRECISE = false>
 struct ScoreMod {
   static constexpr bool ANY = SOFTCAP || ALIBI;
-  T cap_in, cap_out;  // softcap: u / c (times TWO_LOG2E where !PRECISE) and c / u
+  T cap_in, cap_out;  // softcap: u / c and c / u
   T slope;            // ALiBi: this (batch, head)'s slope / u
   int diag_offset;    // nk - nq: query i sits at key position i + nk - nq
 
@@ -50,7 +42,7 @@ struct ScoreMod {
     ScoreMod m;
     m.cap_in = m.cap_out = m.slope = T(0);
     if constexpr (SOFTCAP) {
-      m.cap_in = unit / T(p.softcap) * (PRECISE ? T(1) : T(TWO_LOG2E));
+      m.cap_in = unit / T(p.softcap);
       m.cap_out = T(p.softcap) / unit;
     }
     if constexpr (ALIBI) m.slope = T(*head_ptr<const float>(p.alibi, batch, head)) / unit;
@@ -62,35 +54,29 @@ struct ScoreMod {
   // loops over a row's keys).
   __device__ __forceinline__ T row_pos(int i) const { return T(i + diag_offset); }
 
-  static __device__ __forceinline__ T tanh_of(T x) {  // PRECISE
-    if constexpr (sizeof(T) == 4) return tanhf(x);
+  static __device__ __forceinline__ T tanh_of(T x) {
+    if constexpr (!PRECISE) return tanh_fast(x);
+    else if constexpr (sizeof(T) == 4) return tanhf(x);
     else return tanh(x);
   }
 
   // s' of score s of the query at `row` (row_pos) against key `col` (as T), and ds'/ds in `dcap`
-  // (1 without softcap): the backward's.
+  // (1 without softcap).
   __device__ __forceinline__ T operator()(T s, T row, T col, T& dcap) const {
     dcap = T(1);
     if constexpr (SOFTCAP) {
-      T t;
-      if constexpr (PRECISE) t = tanh_of(s * cap_in);
-      else t = 1.f - __fdividef(2.f, fast_exp2(s * cap_in) + 1.f);
+      const T t = tanh_of(s * cap_in);
       s = cap_out * t;
       dcap = T(1) - t * t;
     }
-    return alibi(s, row, col);
-  }
-
-  // The same where ds'/ds is not needed: the forward's.
-  __device__ __forceinline__ T operator()(T s, T row, T col) const {
-    if constexpr (SOFTCAP && PRECISE) s = cap_out * tanh_of(s * cap_in);
-    else if constexpr (SOFTCAP) s = fmaf(-cap_out, tanh_complement(s * cap_in), cap_out);
-    return alibi(s, row, col);
-  }
-
-  __device__ __forceinline__ T alibi(T s, T row, T col) const {
     if constexpr (ALIBI) s -= slope * fabs(row - col);
     return s;
+  }
+
+  // The same where ds'/ds is not needed (the forward): the compiler drops its arithmetic.
+  __device__ __forceinline__ T operator()(T s, T row, T col) const {
+    T unused;
+    return (*this)(s, row, col, unused);
   }
 
   // Over mma / wgmma accumulator fragments s[MT][NT][4] of query rows and key columns: element
