@@ -24,7 +24,8 @@
 #     ring      bench/bench_ring.py under torchrun, one process per GPU (weak scaling of ring
 #               attention; the multi-GPU kinds), $RING_ARGS
 #   TESTS narrows the tests mode to some paths (default: tests)
-#   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use);
+#   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use); the
+#   precompile lists the instances whose runtime binary uses local memory (exit 3 if any);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances;
 #   "--family forward decode decode_combine append gather pack_offsets": what the KV cache runs)
 #   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run

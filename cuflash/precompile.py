@@ -5,8 +5,11 @@
 
 Compiles every instance the dispatch can launch on GPU 0 (cuflash/_kernels.py, all_specs) for
 the dtypes, head dims, feature sets (sums of _kernels.FEATURE_* bits) and kernel families asked
-for, so that a
-first call only loads a binary. The parent prints each instance's compile time.
+for, so that a first call only loads a binary. The parent prints each instance's compile time,
+then the instances whose binary uses local memory (register spills or a stack) and exits with 3
+if there are any: these are the binaries that run (NVRTC, one instance per module), which the
+CPU compile check (cuflash.compile_check: nvcc, every instance of a source in one translation
+unit) only approximates; at the register limit the two have differed (docs/perf/NOTES.md, v16).
 """
 
 from __future__ import annotations
@@ -20,13 +23,22 @@ from concurrent.futures import ProcessPoolExecutor
 
 from . import _kernels
 
+_LOCAL_SIZE_BYTES = 3  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+_NUM_REGS = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
-def _compile_one(spec: _kernels.KernelSpec) -> tuple[str, float]:
+
+def _compile_one(spec: _kernels.KernelSpec) -> tuple[str, float, int, int]:
+    """(instance, seconds, local memory bytes per thread, registers per thread)."""
+    import cupy
+
     from . import _compile
 
     start = time.perf_counter()
-    _compile.load(spec, 0)
-    return spec.name_expression, time.perf_counter() - start
+    loaded = _compile.load(spec, 0)
+    seconds = time.perf_counter() - start
+    local = cupy.cuda.driver.funcGetAttribute(_LOCAL_SIZE_BYTES, loaded.ptr)
+    registers = cupy.cuda.driver.funcGetAttribute(_NUM_REGS, loaded.ptr)
+    return spec.name_expression, seconds, local, registers
 
 
 def selected(
@@ -81,13 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
         times = list(pool.map(_compile_one, work))
-    for name, seconds in sorted(times, key=lambda t: -t[1]):
-        print(f"{seconds:6.2f} s  {name}")
+    for name, seconds, _, registers in sorted(times, key=lambda t: -t[1]):
+        print(f"{seconds:6.2f} s  {registers:3d} registers  {name}")
+    spilled = [(name, local) for name, _, local, _ in times if local]
+    for name, local in spilled:
+        print(f"local memory {local} B per thread: {name}")
     print(
         f"precompiled {len(times)} instances in {time.perf_counter() - start:.1f} s "
-        f"with {args.jobs} processes (slowest {max(t for _, t in times):.2f} s)"
+        f"with {args.jobs} processes (slowest {max(t[1] for t in times):.2f} s); "
+        f"{len(spilled)} use local memory"
     )
-    return 0
+    return 3 if spilled else 0
 
 
 if __name__ == "__main__":
