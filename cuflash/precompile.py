@@ -93,17 +93,28 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
         times = list(pool.map(_compile_one, work))
-    for name, seconds, _, registers in sorted(times, key=lambda t: -t[1]):
-        print(f"{seconds:6.2f} s  {registers:3d} registers  {name}")
+    lines, status = report(times, time.perf_counter() - start, args.jobs)
+    print("\n".join(lines))
+    return status
+
+
+def report(
+    times: list[tuple[str, float, int, int]], seconds: float, jobs: int
+) -> tuple[list[str], int]:
+    """The lines to print for (instance, seconds, local bytes, registers) results, slowest
+    first, then the instances that use local memory; exit status 3 if there are any."""
+    lines = [
+        f"{t:6.2f} s  {registers:3d} registers  {name}"
+        for name, t, _, registers in sorted(times, key=lambda r: -r[1])
+    ]
     spilled = [(name, local) for name, _, local, _ in times if local]
-    for name, local in spilled:
-        print(f"local memory {local} B per thread: {name}")
-    print(
-        f"precompiled {len(times)} instances in {time.perf_counter() - start:.1f} s "
-        f"with {args.jobs} processes (slowest {max(t[1] for t in times):.2f} s); "
-        f"{len(spilled)} use local memory"
+    lines += [f"local memory {local} B per thread: {name}" for name, local in spilled]
+    slowest = max((r[1] for r in times), default=0.0)
+    lines.append(
+        f"precompiled {len(times)} instances in {seconds:.1f} s with {jobs} processes "
+        f"(slowest {slowest:.2f} s); {len(spilled)} use local memory"
     )
-    return 3 if spilled else 0
+    return lines, 3 if spilled else 0
 
 
 if __name__ == "__main__":

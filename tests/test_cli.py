@@ -41,3 +41,18 @@ def test_bfloat16_on_the_cpu_without_ml_dtypes(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--cpu", "--dtype", "bfloat16"])
     assert exit_info.value.code == 2 and "ml_dtypes" in capsys.readouterr().err
+
+
+def test_precompile_report_lists_the_binaries_that_use_local_memory():
+    """cuflash.precompile's summary: slowest first, then every instance whose runtime binary uses
+    local memory, and exit status 3 when there is one (0 when there is none)."""
+    from cuflash.precompile import report
+
+    times = [("k<1>", 1.0, 0, 168), ("k<2>", 3.0, 24, 255), ("k<3>", 2.0, 0, 90)]
+    lines, status = report(times, 5.0, 4)
+    assert status == 3
+    assert [line.split()[-1] for line in lines[:3]] == ["k<2>", "k<3>", "k<1>"]
+    assert lines[3] == "local memory 24 B per thread: k<2>"
+    assert lines[-1].endswith("(slowest 3.00 s); 1 use local memory")
+    clean, status = report([t for t in times if t[2] == 0], 5.0, 4)
+    assert status == 0 and clean[-1].endswith("0 use local memory")
