@@ -109,7 +109,8 @@ __device__ __forceinline__ BlockCoords decode_block(int heads, int num_blocks) {
 // items per round, so that every SM's pairs cost about the same; without, equal items are taken
 // with a stride of the grid. Heads stay adjacent, so the blocks
 // running at one time share K and V in L2.
-__device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int heads, int num_blocks) {
+__host__ __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int heads,
+                                                                 int num_blocks) {
   BlockCoords c;
   const i64 bh = item / num_blocks;
   const int pos = static_cast<int>(item - bh * num_blocks);

@@ -146,7 +146,8 @@ struct Seq {
 };
 
 // Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
-// dK/dV; `heads`: the heads of the list, query heads or key/value heads): decode_paired_work's list
+// dK/dV; `heads`: the heads of the list, query heads or key/value heads; tests/test_work_list.py
+// checks it on the host): decode_paired_work's list
 // of whole heads (consecutive items share a head's keys in L2). Packed calls rotate each head's
 // blocks (pairs, when paired: the host then gives an even num_blocks) by the head's index in the
 // list: a short sequence has real blocks only at a few positions of its num_blocks (the rest lie
@@ -156,7 +157,8 @@ struct Seq {
 // draws). A list by slot level (slot r of every head, then r + 1) is as balanced but lost the L2
 // sharing: equal lengths ran 25-30% slower (docs/perf/NOTES.md, v13).
 template <bool PACKED>
-__device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item, int heads) {
+__host__ __device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item,
+                                                                   int heads) {
   if constexpr (!PACKED) {
     return decode_paired_work(item, heads, p.num_blocks);
   } else {
