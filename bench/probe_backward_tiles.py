@@ -4,8 +4,9 @@ whose runtime binaries use no local memory (bench/probe_local_memory.py, docs/pe
 
     python bench/probe_backward_tiles.py
 
-bf16, B = 4, N = 4096, H = 16, not causal; median of CUDA-event timings of the whole backward
-(preprocess, dK/dV, dQ), TFLOP/s as the benchmark counts them (2.5x the forward's 4 N^2 d).
+bf16, B = 4, N = 4096, H = 16, not causal; median of 15 CUDA-event timings (probe_varlen.timed)
+of the whole backward (preprocess, dK/dV, dQ), TFLOP/s as the benchmark counts them (2.5x the
+forward's 4 N^2 d).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_varlen import timed  # noqa: E402
+
 import cuflash  # noqa: E402
 from cuflash import testing  # noqa: E402
 from cuflash._dispatch import DEFAULT, KernelChoice  # noqa: E402
@@ -28,20 +32,6 @@ CASES = [
     ("d=256 softcap", 256, {"softcap": 30.0}, ("dkdv", "mma"), [(16, 32, 4, 2), (32, 16, 4, 4)]),
     ("d=224 softcap", 224, {"softcap": 30.0}, ("dq", "mma"), [(64, 16, 4)]),
 ]
-
-
-def timed(fn, reps: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -65,7 +55,7 @@ def main() -> int:
             pointers = [x.data_ptr() for x in (do, q, k, v, o, lse)]
             if slopes is not None:
                 pointers.append(slopes.data_ptr())
-            ms = timed(lambda plan=plan, pointers=pointers: plan(*pointers))
+            ms = timed(lambda plan=plan, pointers=pointers: plan(*pointers), reps=15)
             row.append(f"{'table' if tiles is None else str(tiles)} {flops / ms / 1e9:6.1f}")
         print(f"{label:14s} {key}: " + "  ".join(row), flush=True)
     return 0

@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuflash import _kernels  # noqa: E402
-
-_LOCAL_SIZE_BYTES, _NUM_REGS = 3, 4  # CU_FUNC_ATTRIBUTE_*
+from cuflash.precompile import compile_and_measure  # noqa: E402
 
 # (family, path, head dim, feature sets) -> candidate tiles (the table's first)
 CANDIDATES = {
@@ -41,16 +40,10 @@ CANDIDATES = {
 
 
 def _one(args) -> tuple:
-    import cupy
-
-    from cuflash import _compile
-
     family, path, dtype, hd, features, tiles = args
     try:
         spec = _kernels.instance(family, path, dtype, hd, tiles, features)
-        loaded = _compile.load(spec, 0)
-        local = cupy.cuda.driver.funcGetAttribute(_LOCAL_SIZE_BYTES, loaded.ptr)
-        regs = cupy.cuda.driver.funcGetAttribute(_NUM_REGS, loaded.ptr)
+        _, _, local, regs = compile_and_measure(spec)
         return args, regs, local, ""
     except Exception as exc:  # a shape the kernel rejects, or one over the shared memory
         return args, 0, 0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"

@@ -27,8 +27,9 @@ _LOCAL_SIZE_BYTES = 3  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
 _NUM_REGS = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
 
-def _compile_one(spec: _kernels.KernelSpec) -> tuple[str, float, int, int]:
-    """(instance, seconds, local memory bytes per thread, registers per thread)."""
+def compile_and_measure(spec: _kernels.KernelSpec) -> tuple[str, float, int, int]:
+    """Compiles (or loads) `spec` on GPU 0 as the library's calls do: (instance, seconds, local
+    memory bytes per thread, registers per thread) of its runtime binary."""
     import cupy
 
     from . import _compile
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # in a state they cannot use
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
-        times = list(pool.map(_compile_one, work))
+        times = list(pool.map(compile_and_measure, work))
     lines, status = report(times, time.perf_counter() - start, args.jobs)
     print("\n".join(lines))
     return status
