@@ -162,8 +162,6 @@ def backward(
             )
             spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles, features(p))
             blocks = _ceil_div(seq, spec.rows_per_block)
-            if p.packed and p.mask.bounded_right:  # paired and rotated: whole pairs per head
-                blocks += blocks & 1  # (kernels_cu/params.cuh, decode_sequence_work)
             launches.append(_persistent_launch(p, spec, heads, blocks, sm_count, maps))
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
@@ -258,9 +256,13 @@ def _persistent_launch(
 ) -> Launch:
     """A TMA kernel's launch: a block per SM walks the work list of `blocks` row blocks of every
     (batch, head). Under a right bound (causal) later blocks see more keys: the walk pairs heavy
-    items with light ones (common.cuh, WorkWalk)."""
-    work = blocks * p.batch * heads
+    items with light ones (common.cuh, WorkWalk). Packed paired lists rotate whole pairs within
+    a head (kernels_cu/params.cuh, decode_sequence_work): an odd block count gets an empty one
+    (the TMA forward's end-aligned slots are even already)."""
     heavy_last = p.mask.bounded_right
+    if p.packed and heavy_last:
+        blocks += blocks & 1
+    work = blocks * p.batch * heads
     return Launch(
         spec,
         _persistent_grid(work, heavy_last, sm_count),
