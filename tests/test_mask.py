@@ -4,15 +4,14 @@ against the mirror."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
-import pytest
+from host_programs import host_program_output
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cuflash import _kernels, _mask, compile_check, reference
+from cuflash import _mask, reference
 
 SIDES = st.one_of(st.none(), st.integers(0, 40), st.integers(0, 3000))
 
@@ -152,17 +151,6 @@ def _mirror_lines(mask: _mask.Mask, bm: int, bn: int) -> list[str]:
 
 
 def test_kernels_mask_equals_the_mirror(tmp_path: Path):
-    nvcc = compile_check.find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: this check compiles kernels_cu/mask.cuh for the host")
-    source = tmp_path / "mask_host.cu"
-    source.write_text(_PROGRAM)
-    binary = tmp_path / "mask_host"
-    subprocess.run(
-        [nvcc, "-std=c++17", "-I", str(_kernels.kernel_dir()), "-o", str(binary), str(source)],
-        check=True,
-        capture_output=True,
-    )
     rng = np.random.default_rng(0)
     cases, want = [], []
     for _ in range(300):
@@ -172,7 +160,5 @@ def test_kernels_mask_equals_the_mirror(tmp_path: Path):
         mask = _mask.Mask.of(nq, nk, window)
         cases.append(f"{nq} {nk} {mask.left} {mask.right} {bm} {bn}")
         want += _mirror_lines(mask, bm, bn)
-    got = subprocess.run(
-        [str(binary)], input="\n".join(cases), capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    assert got == want
+    got = host_program_output(tmp_path, _PROGRAM, "\n".join(cases), "kernels_cu/mask.cuh")
+    assert got.splitlines() == want

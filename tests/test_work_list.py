@@ -5,12 +5,9 @@ rotated by the head's index."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
-
-from cuflash import _kernels, compile_check
+from host_programs import host_program_output
 
 _PROGRAM = r"""
 #include "params.cuh"
@@ -49,21 +46,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def decoded(tmp_path_factory) -> list[np.ndarray]:
-    nvcc = compile_check.find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: this check compiles kernels_cu/params.cuh for the host")
-    tmp = tmp_path_factory.mktemp("work_list")
-    source, binary = tmp / "work_list.cu", tmp / "work_list"
-    source.write_text(_PROGRAM)
-    subprocess.run(
-        [nvcc, "-std=c++17", "-I", str(_kernels.kernel_dir()), "-o", str(binary), str(source)],
-        check=True,
-        capture_output=True,
-    )
     text = "\n".join(" ".join(str(x) for x in case) for case in CASES)
-    out = subprocess.run(
-        [str(binary)], input=text, capture_output=True, text=True, check=True
-    ).stdout.split()
+    out = host_program_output(
+        tmp_path_factory.mktemp("work_list"), _PROGRAM, text, "kernels_cu/params.cuh"
+    ).split()
     numbers = np.array([int(x) for x in out]).reshape(-1, 3)
     lists, start = [], 0
     for batch, heads, blocks, _, _ in CASES:
