@@ -5,8 +5,10 @@
    split-KV blocks over the cache, then the combine of the splits' partial results (one split
    writes o and lse directly). The split is picked from the shapes alone (no lengths are read):
    enough blocks for every multiprocessor, each split a whole number of key tiles.
-3. Otherwise (chunked prefill, the exact dtypes): each sequence's keys in use gathered into a
-   packed batch, and the packed forward kernels (cuflash/_cuda.py, ForwardPlan) run on it.
+3. Otherwise (chunked prefill, the exact dtypes): the forward kernels (cuflash/_cuda.py,
+   ForwardPlan), on views of contiguous caches whose sequences all use the same rows, known on the
+   host (the dense forward), or else on each sequence's keys in use gathered into a packed batch
+   (the packed forward).
 
 Nothing is read back to the host (unless check_inputs asked for it, in _kvcache.check), so a
 decoding step can be captured in a CUDA graph. Launches go on the caller's stream.
@@ -205,6 +207,8 @@ class KVCachePlan:
         self.empty = self.route == "empty"
         if self.route == "decode":
             self._make_decode()
+        elif self.route == "dense":
+            self._make_dense()
         elif self.route == "packed":
             self._make_packed()
 
@@ -239,6 +243,16 @@ class KVCachePlan:
                 combine, p.batch * p.heads_q * p.seq_q, tensors, programmatic=bulk, **fields
             )
         self.decode = self._ready(spec, grid, tensors, **fields)
+
+    def _make_dense(self) -> None:
+        """Chunked prefill on contiguous caches with lengths known on the host: the dense forward
+        on views of the caches' first rows (no copy of the keys)."""
+        from . import _cuda
+
+        problem, keys, values = dense_view(self.call)
+        self.forward = _cuda.ForwardPlan(
+            problem, self.call.q, keys, values, poison=self.poison, alibi=self.call.alibi
+        )
 
     def _make_packed(self) -> None:
         """Chunked prefill and the exact dtypes: the keys in use of every sequence gathered into
@@ -279,7 +293,8 @@ class KVCachePlan:
         if self.append is not None:
             self.append(stream, ptr)
         if self.route == "dense":
-            return _dense(self.call, dict(zip(self.inputs, arrays, strict=True)))
+            alibi = (ptr["alibi"],) if "alibi" in ptr else ()
+            return self.forward(ptr["q"], ptr["k"], ptr["v"], *alibi)
         alloc = self.alloc
         o = alloc(p.q_shape, p.dtype, 0.0 if self.empty else None)
         lse = alloc(p.lse_shape, p.lse_dtype, float("-inf") if self.empty else None)
@@ -327,7 +342,8 @@ class KVCachePlan:
 
 def _dense_view_possible(call: Call) -> bool:
     """Whether the keys are a view of the caches: contiguous caches whose every sequence uses
-    the same rows, known on the host (cache_seqlens an int or None), in a library that slices."""
+    the same rows, known on the host (cache_seqlens an int or None). Torch and CuPy arrays only,
+    the libraries the GPU tests run this route with (JAX arrays take the packed route)."""
     return (
         not call.cache.paged
         and call.cache_seqlens is None
@@ -335,22 +351,15 @@ def _dense_view_possible(call: Call) -> bool:
     )
 
 
-def _dense(call: Call, arrays: dict[str, Any]) -> tuple[Any, Any]:
-    """The dense forward on views of the caches' first rows: no copy of the keys (chunked prefill
-    with lengths known on the host runs at the forward's speed)."""
-    from . import api
-
+def dense_view(call: Call) -> tuple[Problem, ArrayInfo, ArrayInfo]:
+    """The route "dense" as attention_forward would take it: the problem over the
+    cache_len + Nnew keys in use, and the keys and values as views of the caches (their first rows:
+    the same pointers and strides)."""
     p, cache = call.problem, call.cache
     n = cache.cache_len + cache.seq_new
-    return api.attention_forward(
-        arrays["q"],
-        arrays["k"][:, :n],
-        arrays["v"][:, :n],
-        window=p.window,
-        softcap=p.softcap,
-        alibi_slopes=arrays.get("alibi"),
-        scale=p.scale,
-    )
+    shape = (p.batch, n, p.heads_kv, p.head_dim)
+    keys, values = (replace(info, shape=shape) for info in (call.k_cache, call.v_cache))
+    return replace(p, seq_k=n), keys, values
 
 
 def _cupy_of(buffer_ptr: int, shape, strides, dtype: str, owner, device: int):

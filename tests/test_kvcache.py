@@ -504,6 +504,38 @@ def test_jax_caches_without_new_rows_give_the_numpy_results():
 # Merging partial results
 
 
+@pytest.mark.parametrize("lengths", [None, 0, 5, 9])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (3, 1), "softcap": 4.0}])
+@pytest.mark.parametrize("slopes", [False, True])
+def test_dense_route_is_attention_forward_on_views_of_the_caches(lengths, options, slopes):
+    # On the GPU, contiguous caches whose lengths the host knows run the dense forward on views
+    # of their first rows (cuflash/_kvcache_cuda.py, route "dense"): its problem and key/value
+    # descriptions must be what attention_forward validates for k_cache[:, :n], v_cache[:, :n].
+    from cuflash import _kvcache, _kvcache_cuda, _validate
+
+    rng = np.random.default_rng(0)
+    q = randn(rng, 2, 6, 4, 16)
+    k_cache, v_cache = randn(rng, 2, 12, 2, 16), randn(rng, 2, 12, 2, 16)
+    k_new, v_new = randn(rng, 2, 3, 2, 16), randn(rng, 2, 3, 2, 16)
+    alibi = randn(rng, 2, 4) if slopes else None
+    call = _kvcache.check(
+        q, k_cache, v_cache, lengths, k_new, v_new, None, alibi,
+        causal=options.get("causal", False), window=options.get("window"),
+        softcap=options.get("softcap"), scale=None, num_splits=None, check_inputs=False,
+    )  # fmt: skip
+    n = 12 if lengths is None else lengths + 3
+    problem, keys, values = _kvcache_cuda.dense_view(call)
+    want, _, k_view, v_view, alibi_info = _validate.check_forward(
+        q, k_cache[:, :n], v_cache[:, :n], alibi, **options
+    )
+    assert problem == want
+    for got, view in ((keys, k_view), (values, v_view)):
+        assert (got.shape, got.strides, got.dtype, got.device) == (
+            view.shape, view.strides, view.dtype, view.device
+        )  # fmt: skip
+    assert (alibi_info is None) == (call.alibi is None)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_two_disjoint_calls_combine_into_the_whole(paged):
     """Non-causal, no ALiBi: the first L1 keys of each sequence (cache_seqlens = L1) and the rest
