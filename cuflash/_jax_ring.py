@@ -16,12 +16,22 @@ on each visible pair with the merged o and lse.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 LAYOUTS = {"bshd": 1, "bhsd": 2}
+
+
+class AttentionOps(NamedTuple):
+    """The attention of each visible pair of shards: cuflash.jax's attention_forward and
+    attention_backward, handed in by cuflash.jax (this module imports nothing of it)."""
+
+    forward: Callable
+    backward: Callable
 
 
 def _seq_axis(layout: object) -> int:
@@ -90,14 +100,12 @@ def _halves(x, axis):
     return jnp.split(x, 2, axis)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, causal, scale, layout):
-    return _ring_forward(q, k, v, axis_name, causal, scale, layout)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring(q, k, v, ops, axis_name, causal, scale, layout):
+    return _ring_forward(q, k, v, ops, axis_name, causal, scale, layout)[0]
 
 
-def _ring_forward(q, k, v, axis_name, causal, scale, layout):
-    from . import jax as cfj
-
+def _ring_forward(q, k, v, ops, axis_name, causal, scale, layout):
     seq = LAYOUTS[layout]
     world = _axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
@@ -105,7 +113,7 @@ def _ring_forward(q, k, v, axis_name, causal, scale, layout):
     acc = _acc_dtype(q.dtype)
 
     def fwd(q, k, v, diagonal=False):
-        return cfj.attention_forward(q, k, v, causal=diagonal, scale=scale, layout=layout)
+        return ops.forward(q, k, v, causal=diagonal, scale=scale, layout=layout)
 
     qa, qb = _halves(q, seq)
     parts_a, parts_b = [], []
@@ -142,9 +150,7 @@ def _ring_forward(q, k, v, axis_name, causal, scale, layout):
     return o, (q, k, v, o, lse)
 
 
-def _ring_backward(axis_name, causal, scale, layout, residuals, do):
-    from . import jax as cfj
-
+def _ring_backward(ops, axis_name, causal, scale, layout, residuals, do):
     q, k, v, o, lse = residuals
     seq = LAYOUTS[layout]
     world = _axis_size(axis_name)
@@ -153,9 +159,7 @@ def _ring_backward(axis_name, causal, scale, layout, residuals, do):
     acc = _acc_dtype(q.dtype)
 
     def bwd(do, q, k, v, o, lse, diagonal=False):
-        grads = cfj.attention_backward(
-            do, q, k, v, o, lse, causal=diagonal, scale=scale, layout=layout
-        )
+        grads = ops.backward(do, q, k, v, o, lse, causal=diagonal, scale=scale, layout=layout)
         return tuple(g.astype(acc) for g in grads)
 
     qa, qb = _halves(q, seq)
@@ -218,19 +222,14 @@ def ring_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    ops: AttentionOps,
     *,
     axis_name,
-    causal: bool = False,
-    scale: float | None = None,
-    layout: str = "bshd",
+    causal: bool,
+    scale: float | None,
+    layout: str,
 ) -> jax.Array:
-    """This device's shard of exact attention over a sequence split along the mesh axis
-    `axis_name`; call it inside ``shard_map`` (or another per-device context with that axis).
-
-    q, k, v: the device's zigzag shard (chunks r and 2P - 1 - r of 2P; `zigzag_order` arranges a
-    full sequence so that an even split gives these), ``(B, n, H, d)`` (bshd) or ``(B, H, n, d)``
-    (bhsd), n even; k and v may have fewer heads. causal: over the whole sequence. Differentiable
-    (custom VJP); deterministic for a given number of devices."""
+    """cuflash.jax.ring_attention (its docstring), with `ops` computing each pair of shards."""
     seq = _seq_axis(layout)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
@@ -245,4 +244,4 @@ def ring_attention(
             f"q, k and v must be zigzag shards of one sequence (two equal chunks each): sequence "
             f"lengths {n}, {k.shape[seq]}, {v.shape[seq]} along axis {seq}"
         )
-    return _ring(q, k, v, axis_name, causal, scale, layout)
+    return _ring(q, k, v, ops, axis_name, causal, scale, layout)

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _cpu, _dlpack, _interop, _validate, _varlen
+from . import _cpu, _dlpack, _interop, _jax_ring, _validate, _varlen
+from ._jax_ring import zigzag_order, zigzag_restore  # noqa: F401 (public: cuflash.jax.zigzag_*)
 
 _TRACE_DEVICE = ("cuda", -1)  # the device is known only when the call runs
 _FORWARD_NAMES = ("q", "k", "v", "alibi_slopes")
@@ -971,5 +972,29 @@ def attention_with_kvcache(
     return o.reshape(q.shape), lse, k_cache, v_cache
 
 
-# Context parallelism: ring attention inside shard_map (cuflash/_jax_ring.py).
-from ._jax_ring import ring_attention, zigzag_order, zigzag_restore  # noqa: E402, F401
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: ring attention inside shard_map (cuflash/_jax_ring.py)
+
+_RING_OPS = _jax_ring.AttentionOps(attention_forward, attention_backward)
+
+
+def ring_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    axis_name: Any,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> Any:
+    """This device's shard of exact attention over a sequence split along the mesh axis
+    `axis_name`; call it inside ``shard_map`` (or another per-device context with that axis).
+
+    q, k, v: the device's zigzag shard (chunks r and 2P - 1 - r of 2P; `zigzag_order` arranges a
+    full sequence so that an even split gives these), ``(B, n, H, d)`` (bshd) or ``(B, H, n, d)``
+    (bhsd), n even; k and v may have fewer heads. causal: over the whole sequence. Differentiable
+    (custom VJP); deterministic for a given number of devices."""
+    return _jax_ring.ring_attention(
+        q, k, v, _RING_OPS, axis_name=axis_name, causal=causal, scale=scale, layout=layout
+    )
