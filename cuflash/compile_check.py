@@ -1,12 +1,22 @@
 """Ahead-of-time check that every kernel instance builds, with no register spills.
 
-Runs nvcc (no GPU needed) on one translation unit per (source file, architecture); each unit is the
-same source the runtime hands to NVRTC (its headers inlined, then the static_asserts that hold the
-kernels' Params to the host's mirror), followed by references to every instance the dispatch can
-launch (``cuflash._kernels.all_specs``). ptxas's resource report (-Xptxas -v) is parsed per
-kernel: a spill or a stack frame (a register array moved to local memory) fails the check.
+Compiles, with no GPU, one unit per (source file, architecture): the source the runtime hands to
+NVRTC (its headers inlined, then the static_asserts that hold the kernels' Params to the host's
+mirror) with every instance the dispatch can launch (``cuflash._kernels.all_specs``). ptxas's
+resource report (-v) is parsed per kernel: a spill or a stack frame (a register array moved to
+local memory) fails the check, except for the instances of ``_kernels.LOCAL_MEMORY_KEPT``.
+
+Two compilers:
+- NVRTC (``--compiler nvrtc``, the default where the ``cuda-bindings`` package and NVRTC are
+  installed, as the test extra installs them): the runtime's compiler with the runtime's options
+  (``_kernels.runtime_options``: cuflash's and what CuPy adds, -ftz=true among them), the
+  instances given as name expressions. Its report is the binaries that run (the H100's
+  precompile read the same registers and local memory from the driver: docs/perf/NOTES.md, v17).
+- nvcc (``--compiler nvcc``): the same units with references to every instance, as nvcc's
+  front end builds them; at the register limit its registers and spills differ from NVRTC's.
 
     python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N] [--features 0 1 ...]
+                                    [--compiler nvrtc|nvcc]
 """
 
 from __future__ import annotations
@@ -20,12 +30,16 @@ import sys
 import tempfile
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import _kernels
 
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
+NVRTC_UNIT = 128  # instances in one NVRTC program
+# The runtime binaries that use local memory, kept so for now (each line: arch, bytes per thread,
+# instance): the check holds the binaries to exactly this list.
+KEPT_FILE = Path(__file__).with_name("local_memory.txt")
 
 
 @dataclass(frozen=True)
@@ -33,9 +47,10 @@ class KernelReport:
     arch: str
     mangled_name: str
     registers: int
-    stack_bytes: int
+    stack_bytes: int  # the local memory a thread of the binary uses (spills go there too)
     spill_store_bytes: int
     spill_load_bytes: int
+    name: str = ""  # the instance's name expression, where the compiler tells it (NVRTC)
 
     @property
     def clean(self) -> bool:
@@ -50,6 +65,7 @@ class UnitResult:
     kernels: tuple[KernelReport, ...]
     seconds: float
     error: str  # compiler output when the build failed, else ""
+    compiler: str = "nvcc"
 
 
 def find_nvcc() -> str | None:
@@ -104,6 +120,7 @@ def compile_unit(nvcc: str, source: str, arch: str, specs: list[_kernels.KernelS
         cmd = [
             nvcc,
             "-std=c++17",
+            "-ftz=true",  # as the runtime (CuPy adds it); nvcc's front end differs all the same
             "-cubin",
             _gencode(arch),
             "-Xptxas",
@@ -120,34 +137,130 @@ def compile_unit(nvcc: str, source: str, arch: str, specs: list[_kernels.KernelS
     return UnitResult(source, arch, len(specs), tuple(parse_ptxas(output)), seconds, error)
 
 
+def nvrtc_version() -> tuple[int, int] | None:
+    """NVRTC's version where it and its binding (cuda-bindings) are installed, else None."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception:  # the package or the library is missing
+        return None
+    return (major, minor) if err == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
+
+
+def compile_unit_nvrtc(source: str, arch: str, names: list[str]) -> UnitResult:
+    """The instances `names` of `source` compiled by NVRTC in one program, with the runtime's
+    options (cuflash/_compile.py through CuPy) and ptxas's report."""
+    import time
+
+    from cuda.bindings import nvrtc
+
+    def log_of(program) -> str:  # noqa: ANN001
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        return log.decode(errors="replace")
+
+    start = time.perf_counter()
+    text = _kernels.compiled_source(source).encode()
+    _, program = nvrtc.nvrtcCreateProgram(text, source.encode(), 0, [], [])
+    for name in names:
+        nvrtc.nvrtcAddNameExpression(program, name.encode())
+    options = (*_kernels.runtime_options(arch), "--ptxas-options=-v")
+    (err,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+    output = log_of(program)
+    built = err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    named = {}
+    for name in names if built else ():
+        _, lowered = nvrtc.nvrtcGetLoweredName(program, name.encode())
+        named[lowered.decode()] = name
+    nvrtc.nvrtcDestroyProgram(program)
+    # the requested instances (a kernel that is no template is built by every program of its
+    # source, and counted in the one that names it)
+    kernels = [
+        replace(k, name=named[k.mangled_name])
+        for k in parse_ptxas(output)
+        if k.mangled_name in named
+    ]
+    seconds = time.perf_counter() - start
+    error = "" if built else output or str(err)
+    return UnitResult(source, arch, len(names), tuple(kernels), seconds, error, "nvrtc")
+
+
 def run(
     archs=DEFAULT_ARCHS,
     jobs: int | None = None,
     nvcc: str | None = None,
     features: tuple[int, ...] | None = None,
+    compiler: str | None = None,
 ) -> list[UnitResult]:
-    """Compiles every instance (those of the given feature sets only, where given)."""
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    # One unit per (source, architecture), holding the instances that architecture launches.
+    """Compiles every instance (those of the given feature sets only, where given) with NVRTC
+    (compiler "nvrtc", the default where it is installed) or nvcc."""
+    compiler = compiler or ("nvrtc" if nvrtc_version() else "nvcc")
+    if compiler == "nvrtc" and nvrtc_version() is None:
+        raise FileNotFoundError(
+            "NVRTC or its binding not found (pip install cuda-bindings and nvidia-cuda-nvrtc)"
+        )
+    if compiler == "nvcc":
+        nvcc = nvcc or find_nvcc()
+        if nvcc is None:
+            raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    # One unit per (source, architecture), holding the instances that architecture launches
+    # (NVRTC: at most NVRTC_UNIT of them, which bounds a program's memory, several GB at 768).
     units: dict[tuple[str, str], list[_kernels.KernelSpec]] = defaultdict(list)
     for arch in archs:
         for spec in _kernels.all_specs(arch):
             if features is None or spec.features in features:
                 units[(spec.source, arch)].append(spec)
+    size = NVRTC_UNIT if compiler == "nvrtc" else max(map(len, units.values()), default=1)
+    work = [
+        (src, arch, specs[i : i + size])
+        for (src, arch), specs in units.items()
+        for i in range(0, len(specs), size)
+    ]
     # Largest units first, so that the last one to finish is a short one.
-    work = sorted(units, key=lambda w: -len(units[w]))
+    work.sort(key=lambda w: -len(w[2]))
     jobs = jobs or os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [
-            pool.submit(compile_unit, nvcc, src, arch, units[(src, arch)]) for src, arch in work
-        ]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # NVRTC and nvcc leave the GIL
+        if compiler == "nvrtc":
+            futures = [
+                pool.submit(compile_unit_nvrtc, src, arch, [s.name_expression for s in specs])
+                for src, arch, specs in work
+            ]
+        else:
+            futures = [pool.submit(compile_unit, nvcc, *w) for w in work]
         return [f.result() for f in futures]
 
 
-def problems(results: list[UnitResult]) -> list[str]:
-    """Every failure in words: build errors, missing instances, spills and stack frames."""
+Kept = dict[tuple[str, str], int]  # (arch, instance) -> local memory bytes per thread
+
+
+def read_kept(path: Path = KEPT_FILE) -> Kept:
+    """The list of KEPT_FILE: (arch, instance) -> bytes; '#' starts a comment."""
+    kept = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            arch, size, name = line.split(None, 2)
+            kept[(arch, name)] = int(size)
+    return kept
+
+
+def local_memory(results: list[UnitResult]) -> Kept:
+    """The compiled instances whose binary uses local memory (a stack frame or spills)."""
+    return {
+        (k.arch, k.name or k.mangled_name): k.stack_bytes
+        for u in results
+        for k in u.kernels
+        if not k.clean
+    }
+
+
+def problems(results: list[UnitResult], kept: Kept | None = None) -> list[str]:
+    """Every failure in words: build errors, missing instances, and local memory (spills, stack
+    frames) unless `kept` lists the instance with its bytes; with `kept`, also a listed instance
+    that was compiled and uses other bytes or none (the list must follow the binaries)."""
+    kept = kept or {}
     found = []
     for unit in results:
         where = f"{unit.source} for {unit.arch}"
@@ -157,10 +270,16 @@ def problems(results: list[UnitResult]) -> list[str]:
         if len(unit.kernels) != unit.expected:
             found.append(f"{where}: {len(unit.kernels)} kernels compiled, {unit.expected} expected")
         for k in unit.kernels:
-            if not k.clean:
+            listed = kept.get((k.arch, k.name))
+            if not k.clean and listed != k.stack_bytes:
                 found.append(
-                    f"{where}: {k.mangled_name}: {k.stack_bytes} bytes stack frame, "
+                    f"{where}: {k.name or k.mangled_name}: {k.stack_bytes} bytes stack frame, "
                     f"{k.spill_store_bytes} B spill stores, {k.spill_load_bytes} B spill loads"
+                    + (f" ({listed} B listed in {KEPT_FILE.name})" if listed else "")
+                )
+            elif k.clean and listed is not None:
+                found.append(
+                    f"{where}: {k.name} uses no local memory now: remove it from {KEPT_FILE.name}"
                 )
     return found
 
@@ -172,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--features", type=int, nargs="+", default=None, help="only these FEATURES values"
     )
+    parser.add_argument(
+        "--compiler", choices=("nvrtc", "nvcc"), default=None, help="default: NVRTC if installed"
+    )
     args = parser.parse_args(argv)
-    results = run(args.arch, args.jobs, features=args.features)
+    results = run(args.arch, args.jobs, features=args.features, compiler=args.compiler)
+    compiler = results[0].compiler if results else "nvrtc"
     for unit in results:
         regs = [k.registers for k in unit.kernels]
         span = f"{min(regs)}-{max(regs)} registers" if regs else "no kernels"
@@ -181,10 +304,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{unit.source:28s} {unit.arch:7s} {len(unit.kernels):3d}/{unit.expected:<3d} kernels "
             f"{span:20s} {unit.seconds:6.1f} s"
         )
-    found = problems(results)
+    # nvcc's binaries are not the runtime's: it is held to no local memory at all
+    kept = read_kept() if compiler == "nvrtc" else {}
+    found = problems(results, kept)
     for line in found:
         print("FAIL:", line)
-    print("compile check:", "FAILED" if found else "clean (no spills, no stack frames)")
+    used = local_memory(results)
+    verdict = f"clean but the {len(used)} instances of {KEPT_FILE.name}" if used else "clean"
+    print(f"compile check ({compiler}):", "FAILED" if found else verdict)
     return 1 if found else 0
 
 

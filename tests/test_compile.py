@@ -1,5 +1,7 @@
-"""Every kernel instance of the table builds for sm_80 and sm_90a with no register spill and no
-stack frame (the CPU compile check: nvcc, no GPU needed), and the sources ship with the package."""
+"""Every kernel instance of the table builds for sm_80 and sm_90a, as the runtime builds it (NVRTC
+with CuPy's options, no GPU needed), with no register spill and no stack frame but the instances
+cuflash/local_memory.txt lists, each with exactly its bytes; and the sources ship with the
+package."""
 
 from __future__ import annotations
 
@@ -103,15 +105,64 @@ ptxas info    : Used 255 registers, used 1 barriers, 600 bytes cmem[0]
     assert not report.clean
 
 
-def test_all_kernels_compile_for_sm80_and_sm90a_without_spills():
-    # CI machines have nvcc; elsewhere (a fresh machine with the README's command) it skips.
-    if not compile_check.find_nvcc():
-        pytest.skip("nvcc not found: the compile check needs the CUDA toolkit's bin/ on PATH")
-    results = compile_check.run(("sm_80", "sm_90a"))
-    found = compile_check.problems(results)
+# The NVRTC whose binaries cuflash/local_memory.txt lists (nvidia-cuda-nvrtc 13.0.88, the test
+# extra's, as on the H100 machine: its driver reported the same registers and local memory).
+NVRTC_OF_THE_LIST = (13, 0)
+
+
+def test_runtime_binaries_use_local_memory_only_as_listed():
+    # The binaries that run are NVRTC's, with cuflash's options and CuPy's (-ftz=true among them:
+    # _kernels.runtime_options); NVRTC and its binding come from PyPI with the test extra and need
+    # no GPU. Every instance builds for sm_80 and sm_90a, and none uses local memory but the
+    # listed ones, each with exactly its listed bytes.
+    version = compile_check.nvrtc_version()
+    if version is None:
+        pytest.skip("NVRTC or cuda-bindings is not installed (pip install '.[test]' brings both)")
+    if version != NVRTC_OF_THE_LIST:
+        pytest.skip(f"local_memory.txt lists NVRTC {NVRTC_OF_THE_LIST}'s binaries; found {version}")
+    results = compile_check.run(("sm_80", "sm_90a"), compiler="nvrtc")
+    found = compile_check.problems(results, compile_check.read_kept())
     assert not found, "\n".join(found)
     compiled = sum(len(unit.kernels) for unit in results)
     assert compiled == sum(len(_kernels.all_specs(arch)) for arch in ("sm_80", "sm_90a"))
+
+
+def test_the_local_memory_list_names_instances_the_library_launches():
+    kept = compile_check.read_kept()
+    assert kept and all(size > 0 for size in kept.values())
+    for arch in {arch for arch, _ in kept}:
+        launched = {spec.name_expression for spec in _kernels.all_specs(arch)}
+        assert {name for a, name in kept if a == arch} <= launched
+
+
+def test_local_memory_is_held_to_the_list():
+    def report(name, stack):
+        return compile_check.KernelReport("sm_80", "_Z" + name, 255, stack, stack, stack, name)
+
+    def unit(*kernels):
+        return compile_check.UnitResult("forward.cu", "sm_80", len(kernels), kernels, 1.0, "")
+
+    kept = {("sm_80", "a"): 8}
+    assert compile_check.problems([unit(report("a", 8), report("b", 0))], kept) == []
+    assert compile_check.local_memory([unit(report("a", 8), report("b", 0))]) == kept
+    (more,) = compile_check.problems([unit(report("a", 16))], kept)  # spills more than listed
+    assert "a: 16 bytes stack frame" in more and "(8 B listed" in more
+    (new,) = compile_check.problems([unit(report("a", 8), report("b", 4))], kept)
+    assert "b: 4 bytes stack frame" in new
+    (gone,) = compile_check.problems([unit(report("a", 0))], kept)
+    assert "remove it from local_memory.txt" in gone
+    (unlisted,) = compile_check.problems([unit(report("a", 8))])  # nvcc: no list
+    assert "a: 8 bytes stack frame" in unlisted
+
+
+def test_runtime_options_are_what_the_runtime_passes_and_cupy_adds():
+    # cuflash/_compile.py passes COMPILE_OPTIONS and -arch; CuPy (cupy/cuda/compiler.py) appends
+    # -ftz=true, its own -arch=sm_XX and --device-as-default-execution-space
+    assert _kernels.runtime_options("sm_90a") == (
+        *_kernels.COMPILE_OPTIONS, "-arch=sm_90a", "-ftz=true", "-arch=sm_90",
+        "--device-as-default-execution-space",
+    )  # fmt: skip
+    assert _kernels.runtime_options("sm_80")[1:3] == ("-arch=sm_80", "-ftz=true")
 
 
 def test_generated_wgmma_specialisations_are_current():
