@@ -153,7 +153,9 @@ def mangled_entries(ptx: str) -> dict[str, str]:
 
 def to_ptx(nvcc: str, unit: Path, arch: str) -> str:
     out = unit.with_suffix(".ptx")
-    cmd = [nvcc, "-std=c++17", "-ptx", f"-arch=compute_{arch[3:]}", "-o", str(out), str(unit)]
+    # -ftz=true as the runtime compiles (CuPy adds it: cuflash/_kernels.py, CUPY_NVRTC_OPTIONS)
+    cmd = [nvcc, "-std=c++17", "-ftz=true", "-ptx", f"-arch=compute_{arch[3:]}", "-o", str(out)]
+    cmd.append(str(unit))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"nvcc failed on {unit.name}:\n{proc.stdout}{proc.stderr}"[-4000:])
