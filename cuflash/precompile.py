@@ -7,9 +7,10 @@ Compiles every instance the dispatch can launch on GPU 0 (cuflash/_kernels.py, a
 the dtypes, head dims, feature sets (sums of _kernels.FEATURE_* bits) and kernel families asked
 for, so that a first call only loads a binary. The parent prints each instance's compile time,
 then the instances whose binary uses local memory (register spills or a stack) and exits with 3
-if there are any: these are the binaries that run (NVRTC, one instance per module), which the
-CPU compile check (cuflash.compile_check: nvcc, every instance of a source in one translation
-unit) only approximates; at the register limit the two have differed (docs/perf/NOTES.md, v16).
+if there are any: these are the binaries that run (NVRTC, one instance per module), as the
+driver reports them. The CPU compile check (cuflash.compile_check) builds the same binaries with
+NVRTC and the runtime's options and holds them to cuflash/local_memory.txt; with NVRTC 13.0 the
+two agreed on every sm_90a instance (docs/perf/NOTES.md, v17).
 """
 
 from __future__ import annotations
