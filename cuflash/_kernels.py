@@ -456,23 +456,19 @@ def kernel_arch(compute_capability: str) -> str:
 
 
 COMPILE_OPTIONS = ("--std=c++17",)
-# What CuPy (cupy/cuda/compiler.py, 13 and 14) adds after the options of cupy.RawModule: flush
-# float32 denormals to zero, device code by default, and its own -arch=sm_XX (NVRTC keeps the
-# feature suffix of ours). The binaries that run are built with them; nvcc without -ftz=true gave
-# other registers at the limit and missed spills (docs/perf/NOTES.md, v17).
-CUPY_NVRTC_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+# CuPy (cupy/cuda/compiler.py, 13 and 14) appends to the options of cupy.RawModule: this flag
+# (flush float32 denormals to zero), its own -arch=sm_XX (NVRTC keeps the feature suffix of ours)
+# and --device-as-default-execution-space. The binaries that run are built so; nvcc without
+# -ftz=true gave other registers at the limit and missed spills (docs/perf/NOTES.md, v17).
+FLUSH_DENORMALS = "-ftz=true"
 
 
 def runtime_options(arch: str) -> tuple[str, ...]:
     """NVRTC's options for an instance on `arch` (e.g. "sm_90a"), as the runtime compiles it:
     cuflash/_compile.py passes COMPILE_OPTIONS and -arch, CuPy appends the rest."""
-    return (
-        *COMPILE_OPTIONS,
-        f"-arch={arch}",
-        CUPY_NVRTC_OPTIONS[0],
-        f"-arch={arch.rstrip('a')}",
-        *CUPY_NVRTC_OPTIONS[1:],
-    )
+    cupy_arch = f"-arch={arch.rstrip('a')}"
+    cupy = (FLUSH_DENORMALS, cupy_arch, "--device-as-default-execution-space")
+    return (*COMPILE_OPTIONS, f"-arch={arch}", *cupy)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Compiles, with no GPU, one unit per (source file, architecture): the source the 
 NVRTC (its headers inlined, then the static_asserts that hold the kernels' Params to the host's
 mirror) with every instance the dispatch can launch (``cuflash._kernels.all_specs``). ptxas's
 resource report (-v) is parsed per kernel: a spill or a stack frame (a register array moved to
-local memory) fails the check, except for the instances of ``_kernels.LOCAL_MEMORY_KEPT``.
+local memory) fails the check, except for the instances that ``local_memory.txt`` lists.
 
 Two compilers:
 - NVRTC (``--compiler nvrtc``, the default where the ``cuda-bindings`` package and NVRTC are
@@ -120,7 +120,7 @@ def compile_unit(nvcc: str, source: str, arch: str, specs: list[_kernels.KernelS
         cmd = [
             nvcc,
             "-std=c++17",
-            "-ftz=true",  # as the runtime (CuPy adds it); nvcc's front end differs all the same
+            _kernels.FLUSH_DENORMALS,  # as the runtime; nvcc's front end differs all the same
             "-cubin",
             _gencode(arch),
             "-Xptxas",
@@ -196,8 +196,9 @@ def run(
 ) -> list[UnitResult]:
     """Compiles every instance (those of the given feature sets only, where given) with NVRTC
     (compiler "nvrtc", the default where it is installed) or nvcc."""
-    compiler = compiler or ("nvrtc" if nvrtc_version() else "nvcc")
-    if compiler == "nvrtc" and nvrtc_version() is None:
+    nvrtc_found = nvrtc_version() is not None
+    compiler = compiler or ("nvrtc" if nvrtc_found else "nvcc")
+    if compiler == "nvrtc" and not nvrtc_found:
         raise FileNotFoundError(
             "NVRTC or its binding not found (pip install cuda-bindings and nvidia-cuda-nvrtc)"
         )

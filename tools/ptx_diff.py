@@ -153,7 +153,7 @@ def mangled_entries(ptx: str) -> dict[str, str]:
 
 def to_ptx(nvcc: str, unit: Path, arch: str) -> str:
     out = unit.with_suffix(".ptx")
-    # -ftz=true as the runtime compiles (CuPy adds it: cuflash/_kernels.py, CUPY_NVRTC_OPTIONS)
+    # -ftz=true as the runtime compiles (CuPy adds it: cuflash/_kernels.py, FLUSH_DENORMALS)
     cmd = [nvcc, "-std=c++17", "-ftz=true", "-ptx", f"-arch=compute_{arch[3:]}", "-o", str(out)]
     cmd.append(str(unit))
     proc = subprocess.run(cmd, capture_output=True, text=True)
