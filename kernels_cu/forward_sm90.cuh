@@ -54,16 +54,14 @@ struct Sm90ForwardBlock {
         if (Mask::key_hidden(col0 + nt * 8 + (e & 1), keys[e >> 1])) s[0][nt][e] = -inf_f32();
   }
 
-  // P for key tile j (in shared memory at k_tile): S = Q K_j^T for this warpgroup's 64 rows,
-  // masked (MASKED: the tile straddles a bound of the mask or the end of the keys), turned into
-  // unnormalised probabilities by the online softmax (acc_o rescaled) and rounded to A fragments.
-  // The kernels build `mask` from their Params where they call this (Mask::of): a copy held
-  // through their loops would cost registers.
-  template <bool MASKED>
-  __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
-                                                unsigned (&p)[Tr::K_PV][4], const Mask& mask) {
-    // k16 step kk reads 32 bytes of every row, in column block kk / 4.
-    float s[1][Tr::NT_S][4];
+  // The steps of a key tile, for kernels that overlap them (forward_sm90_tma.cu): the products
+  // are issued to the tensor cores as one wgmma group each, and the caller waits for them
+  // (wgmma_wait) before the next step reads their registers.
+
+  // S = Q K_j^T for this warpgroup's 64 rows, K_j in shared memory at k_tile: k16 step kk reads
+  // 32 bytes of every row, in column block kk / 4.
+  __device__ __forceinline__ void issue_scores(const unsigned char* k_tile,
+                                               float (&s)[1][Tr::NT_S][4]) const {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_QK; ++kk) {
@@ -74,31 +72,73 @@ struct Sm90ForwardBlock {
       wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+  }
+
+  // The scores of key tile j (s: its product waited for), modified and masked (MASKED: the tile
+  // straddles a bound of the mask or the end of the keys). The kernels build `mask` from their
+  // Params where they call this (Mask::of): a copy held through their loops would cost registers.
+  template <bool MASKED>
+  __device__ __forceinline__ void final_scores(int j, float (&s)[1][Tr::NT_S][4],
+                                               const Mask& mask) const {
     fence_accumulators(s[0]);
     mod.apply(s, m0 + warp_row0 + (lane >> 2), j * BN + 2 * (lane & 3));
     if constexpr (MASKED) apply_mask(s, j * BN, mask);
-    softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
+  }
+
+  // ... turned into unnormalised probabilities by the online softmax; alphas: the factor acc_o
+  // must be rescaled by before this tile's P V is added (softmax.cuh).
+  template <bool MASKED>
+  __device__ __forceinline__ void scores_to_probabilities(int j, float (&s)[1][Tr::NT_S][4],
+                                                          const Mask& mask, float (&alphas)[1][2]) {
+    final_scores<MASKED>(j, s, mask);
+    softmax.probabilities(s, scale_log2, alphas);
+  }
+
+  // P rounded to the element type, as the A fragments of O += P V.
+  static __device__ __forceinline__ void to_a_fragments(float (&s)[1][Tr::NT_S][4],
+                                                        unsigned (&p)[Tr::K_PV][4]) {
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk) accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
   }
 
-  // O += P V_j (V_j in shared memory at v_tile): k16 step kk covers keys 16kk .. 16kk + 15, rows
-  // of V_j 2048 bytes apart.
-  __device__ __forceinline__ void accumulate_pv(const unsigned char* v_tile,
-                                                unsigned (&p)[Tr::K_PV][4]) {
+  // O += P V_j, V_j in shared memory at v_tile: k16 step kk covers keys 16kk .. 16kk + 15, rows
+  // of V_j 2048 bytes apart ...
+  __device__ __forceinline__ void issue_pv(const unsigned char* v_tile, unsigned (&p)[Tr::K_PV][4]) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk)
       wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
     wgmma_commit();
-    wgmma_wait<0>();
+  }
+  // ... and, once it has been waited for, acc_o may be read again and p written.
+  __device__ __forceinline__ void pv_done(unsigned (&p)[Tr::K_PV][4]) {
     fence_accumulators(acc_o[0]);
     // The A registers are read by the tensor cores until the wait: keep them alive until here.
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk)
 #pragma unroll
       for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+  }
+
+  // The same steps one after the other (forward_sm90.cu).
+  // P for key tile j (in shared memory at k_tile), as A fragments; acc_o rescaled.
+  template <bool MASKED>
+  __device__ __forceinline__ void probabilities(int j, const unsigned char* k_tile,
+                                                unsigned (&p)[Tr::K_PV][4], const Mask& mask) {
+    float s[1][Tr::NT_S][4];
+    issue_scores(k_tile, s);
+    wgmma_wait<0>();
+    final_scores<MASKED>(j, s, mask);
+    softmax.update(s, acc_o, scale_log2);  // s now holds P (unnormalised); acc_o rescaled
+    to_a_fragments(s, p);
+  }
+
+  // O += P V_j.
+  __device__ __forceinline__ void accumulate_pv(const unsigned char* v_tile,
+                                                unsigned (&p)[Tr::K_PV][4]) {
+    issue_pv(v_tile, p);
+    wgmma_wait<0>();
+    pv_done(p);
   }
 
   // Key tile j, which sits in pipeline stage `stage` (K and V stages KV_BYTES apart).

@@ -35,15 +35,51 @@ struct OnlineSoftmax {
   }
 
   // m_new = max(m, rowmax(S)); acc *= exp(m - m_new); S <- P = exp(S - m_new); l = alpha l + rowsum(P).
-  // A row that has seen no key yet keeps m = -inf; exponents then use 0 in place of m_new so that
-  // no -inf - -inf = NaN appears (its P and alpha are 0).
   // SKIP_UNIT: the warp skips the rescale of acc where no lane's row max moved (alpha = 1 for
   // every row: most tiles of a long row), at the cost of a vote (the decoding kernel, whose
   // per-tile work is small beside the rescale of its 16-row accumulator).
   template <int NT_S, int NT_O, bool SKIP_UNIT = false>
   __device__ __forceinline__ void update(float (&s)[MT][NT_S][4], float (&acc)[MT][NT_O][4],
                                          float scale_log2) {
-    float alphas[MT][2];
+    if constexpr (SKIP_UNIT) {
+      float alphas[MT][2];
+      probabilities(s, scale_log2, alphas);
+      bool unit = true;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) unit = unit && alphas[mt][0] == 1.f && alphas[mt][1] == 1.f;
+      if (__all_sync(0xffffffffu, unit)) return;
+      rescale(acc, alphas);
+    } else {
+      update_rows(s, scale_log2, [&](int mt, int r, float alpha) { rescale_row(acc, mt, r, alpha); });
+    }
+  }
+
+  // update without the rescale, for kernels that rescale acc later (while a product that does not
+  // read acc is in flight): alphas[mt][r] is the factor acc's row must be rescaled by before
+  // this tile's P V is added to it.
+  template <int NT_S>
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], float scale_log2,
+                                                float (&alphas)[MT][2]) {
+    update_rows(s, scale_log2, [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; });
+  }
+
+  // acc *= alpha, row by row.
+  template <int NT_O>
+  static __device__ __forceinline__ void rescale(float (&acc)[MT][NT_O][4],
+                                                 const float (&alphas)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale_row(acc, mt, r, alphas[mt][r]);
+  }
+
+  // The rows of update: S <- P, m and l updated, and each row's alpha = exp(m - m_new) handed to
+  // on_alpha(mt, r, alpha) as soon as it is known. A row that has seen no key yet keeps m = -inf;
+  // exponents then use 0 in place of m_new so that no -inf - -inf = NaN appears (its P and alpha
+  // are 0).
+  template <int NT_S, typename OnAlpha>
+  __device__ __forceinline__ void update_rows(float (&s)[MT][NT_S][4], float scale_log2,
+                                              OnAlpha on_alpha) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -68,19 +104,8 @@ struct OnlineSoftmax {
           }
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-        if constexpr (SKIP_UNIT) alphas[mt][r] = alpha;  // rescaled below unless every alpha is 1
-        else rescale_row(acc, mt, r, alpha);
+        on_alpha(mt, r, alpha);
       }
-    }
-    if constexpr (SKIP_UNIT) {
-      bool unit = true;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) unit = unit && alphas[mt][0] == 1.f && alphas[mt][1] == 1.f;
-      if (__all_sync(0xffffffffu, unit)) return;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) rescale_row(acc, mt, r, alphas[mt][r]);
     }
   }
 

@@ -163,6 +163,15 @@ __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
+// Named barrier `id` shared by `threads` threads (a multiple of 32) of which some wait here ...
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// ... and the others only arrive, without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Four 8 x 8 matrices of 16-bit elements from registers to shared memory (stmatrix): register i
 // of lane l holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i (the accumulator
 // fragment's layout), and lane l gives the address of row l % 8 of matrix l / 8 (16 bytes).
