@@ -354,10 +354,10 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
     if family == "forward":  # Q per buffer; K and V per stage; the O staging tile; two barriers
-        # per buffer and three per stage
+        # per buffer and four per stage (K and V: full and empty)
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {features}>"
         tiles_rows = bufs * bm + 2 * stages * bn + (bm if o_via_tma else 0)
-        smem = tiles_rows * row_bytes + 8 * (2 * bufs + 3 * stages) + 1024
+        smem = tiles_rows * row_bytes + 8 * (2 * bufs + 4 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each

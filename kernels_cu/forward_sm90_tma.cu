@@ -8,15 +8,18 @@
 // decode_paired_work's order, in pairs where the host asks: causal work). Warpgroup 0 is the
 // producer: it gives back its registers and one thread issues the TMA copies of Q (two buffers at
 // HD <= 128, one at 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full"
-// barrier.
-// Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the loop body
-// of forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
-// before O += P V_j, and release the stage on its "empty" barrier, and the Q buffer after the
-// item's last S. The producer loads the next work item's Q and first K/V tiles while the
-// consumers finish the current one (with one Q buffer, HD = 256, the first K/V tiles before Q:
-// their stages free up first). No block-wide barrier after the set-up: each warpgroup runs at
-// its own pace within the pipeline's depth. The copies zero-fill rows past N and columns past d,
-// so the consumers see padded tiles as the cp.async kernel builds them.
+// barrier, in the order the consumers use them (K_0, then K_{j+1} before V_j).
+// Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the steps of
+// forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
+// before O += P V_j, and release K_j (its "empty" barrier) once S_j is computed, V_j once P_j V_j
+// is, and the Q buffer after the item's last S. Where the registers allow (OVERLAP) a consumer
+// pipelines its loop, as FlashAttention-3 does: S_{j+1} and P_j V_j are in flight on the tensor
+// cores while it computes the softmax of S_{j+1}; and the consumers take turns at issuing their
+// products (TensorCoreTurns), so that their softmaxes do not coincide. The producer loads the
+// next work item's Q and first K/V tiles while the consumers finish the current one (with one Q
+// buffer, HD = 256, K_0 before Q: its stage frees up as early). No block-wide barrier after the
+// set-up. The copies zero-fill rows past N and columns past d, so the consumers see padded tiles
+// as the cp.async kernel builds them.
 //
 // Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile, and d == HD)
 // each consumer warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the
@@ -53,6 +56,32 @@
 
 namespace cuflash {
 
+// The consumer warpgroups' turns at the tensor cores (FlashAttention-3's ping-pong): a warpgroup
+// issues a tile's products only once the previous warpgroup (in a ring) has issued its own, so
+// that one warpgroup's softmax runs while the others' products keep the tensor cores busy,
+// instead of all warpgroups computing their softmax at the same time. Named barrier
+// FIRST + w is warpgroup w's: it syncs there (128 threads) and the previous one arrives (128).
+// Every consumer warpgroup of a block takes the same number of turns (the same items and key
+// tiles), so the arrivals balance: the first warpgroup gets the first turn by an arrival of its
+// own at start(), and takes the last warpgroup's final arrival at finish().
+template <int CONSUMERS, bool ON>
+struct TensorCoreTurns {
+  static constexpr int FIRST = 1;  // named barriers 1 .. CONSUMERS (0: __syncthreads)
+  int wg;
+  __device__ __forceinline__ void start() const {
+    if (ON && wg == 0) named_barrier_arrive(FIRST, 256);
+  }
+  __device__ __forceinline__ void begin() const {
+    if constexpr (ON) named_barrier_sync(FIRST + wg, 256);
+  }
+  __device__ __forceinline__ void end() const {
+    if constexpr (ON) named_barrier_arrive(FIRST + (wg + 1) % CONSUMERS, 256);
+  }
+  __device__ __forceinline__ void finish() const {
+    if (ON && wg == 0) named_barrier_sync(FIRST, 256);
+  }
+};
+
 template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int FEATURES>
 struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr int CONSUMERS = BM / 64;
@@ -64,6 +93,15 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
   // Q buffers: the next work item's Q loads during this one
   static constexpr int Q_BUFS = ItemBuffers<HD>::COUNT;
+  // The key-tile loop pipelined within each warpgroup (the consumers' loop below) where the
+  // registers allow it: a thread then holds O's accumulator (HD / 2 registers), S (BN / 2) and the
+  // P fragments of the product in flight (BN / 4) at once; with three consumers at d = 64 and
+  // BN = 128 it spilled 16-160 bytes.
+  static constexpr bool OVERLAP = HD / 2 + BN / 2 + BN / 4 + 64 <= Regs::CONSUMER;
+  // Turns at the tensor cores (TensorCoreTurns) in the pipelined loop where a tile's products are
+  // short beside its softmax: HD <= 128, as in FlashAttention-3.
+  static constexpr bool TURNS = OVERLAP && HD <= 128;
+  typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
   static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
 };
 
@@ -80,11 +118,12 @@ __device__ __forceinline__ int slot_row0(const Params& p, const Seq<PACKED>& seq
   else return block * BM - p.row_shift;
 }
 
-// The barriers of the pipeline, in shared memory after the tiles.
+// The barriers of the pipeline, in shared memory after the tiles. K_j and V_j share stage
+// j % STAGES but are released apart: K_j once S_j has been computed, V_j after P_j V_j.
 template <int Q_BUFS, int STAGES>
 struct TmaForwardBarriers {
   unsigned long long q_full[Q_BUFS], q_empty[Q_BUFS];
-  unsigned long long k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
+  unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
 };
 
 // Stages this warp's 16 rows of the normalised O (acc, the accumulator fragments) as 16-bit
@@ -134,9 +173,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
     mbar_init_pairs(bar.q_full, bar.q_empty, 1, 4 * Tr::CONSUMERS);
-    mbar_init_pairs(bar.k_full, bar.kv_empty, 1, 4 * Tr::CONSUMERS);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(&bar.v_full[s], 1);
+    mbar_init_pairs(bar.k_full, bar.k_empty, 1, 4 * Tr::CONSUMERS);
+    mbar_init_pairs(bar.v_full, bar.v_empty, 1, 4 * Tr::CONSUMERS);
     fence_barrier_init();
   }
   __syncthreads();
@@ -149,7 +187,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(&maps.v);
     if constexpr (Tr::STAGE_O) prefetch_tensor_map(&maps.o);
-    int pipe = 0;  // K/V tiles issued so far: stage pipe % STAGES, its use number pipe / STAGES
+    int pipe = 0;  // key tiles of earlier items: tile t in stage t % STAGES, its use t / STAGES
     int round = 0;  // work items done
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
@@ -159,36 +197,37 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
       if (m0 + BM <= 0 || m0 >= seq.nq(p)) continue;  // an empty slot (row_shift above)
       const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
-      // Visit `it` of this item's key tiles into the next stage, once the consumers released it.
-      auto load_kv = [&](int it) {
-        const int stage = pipe % STAGES;
+      // K or V (`sT`, `map`, its barriers) of visit `it` of this item's key tiles into its stage
+      // (tile number pipe + it, stage (pipe + it) % STAGES), once the consumers released it.
+      auto load = [&](int it, unsigned char* sT, const TensorMap* map, unsigned long long* full,
+                      unsigned long long* empty) {
+        const int tile = pipe + it, stage = tile % STAGES;
         const int n0 = tiles.at(it) * BN;
-        mbar_wait(&bar.kv_empty[stage], ((pipe / STAGES) & 1) ^ 1);
-        mbar_arrive_expect_tx(&bar.k_full[stage], Tr::KV_BYTES);
+        mbar_wait(&empty[stage], ((tile / STAGES) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[stage], Tr::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sK + stage * Tr::KV_BYTES + c * (BN * 128), &maps.k, &bar.k_full[stage],
-                      64 * c, seq.k_coord(n0), kv_head, seq.map_batch());
-        mbar_arrive_expect_tx(&bar.v_full[stage], Tr::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sV + stage * Tr::KV_BYTES + c * (BN * 128), &maps.v, &bar.v_full[stage],
-                      64 * c, seq.k_coord(n0), kv_head, seq.map_batch());
-        ++pipe;
+          tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * 128), map, &full[stage], 64 * c,
+                      seq.k_coord(n0), kv_head, seq.map_batch());
       };
-      // With one Q buffer it frees up only when the consumers have finished the previous item's
-      // S products, after the stages of its last tiles: load this item's first tiles before
-      // waiting for it, so that they are under way when the item starts.
+      // The loads in the order the consumers use them: K_0, then K_{it + 1} before V_it (they
+      // compute S_{it + 1} = Q K_{it + 1}^T before P_it V_it). With one Q buffer it frees up only
+      // when the consumers have computed the previous item's last S, when K_0's stage has freed
+      // up too: load K_0 first, so that it is under way when the item starts.
       const int count = tiles.count();
-      const int early = Q_BUFS == 1 ? min(count, STAGES) : 0;
-      for (int it = 0; it < early; ++it) load_kv(it);
+      const int first_k = Q_BUFS == 1 && count > 0 ? 1 : 0;
+      if (first_k) load(0, sK, &maps.k, bar.k_full, bar.k_empty);
       const int qb = acquire_to_fill(bar.q_empty, round);
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
         tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c,
                     seq.q_coord(m0), bc.head, seq.map_batch());
-      for (int it = early; it < count; ++it) load_kv(it);
+      for (int it = first_k; it <= count; ++it) {
+        if (it < count) load(it, sK, &maps.k, bar.k_full, bar.k_empty);
+        if (it > 0) load(it - 1, sV, &maps.v, bar.v_full, bar.v_empty);
+      }
+      pipe += count;
     }
     return;
   }
@@ -202,6 +241,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
   blk.wg = (warp - 4) >> 2;
   blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  const typename Tr::Turns turns{blk.wg};
+  turns.start();
   // The thread that issues this warpgroup's O stores (STAGE_O)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
   int pipe = 0, round = 0;
@@ -223,28 +264,86 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     unsigned repair = 0;
     const int qb = acquire_to_read(bar.q_full, round);
     blk.sQ = sQ + qb * Tr::Q_BYTES;
-    auto release_q = [&]() {  // the producer may load a Q into this buffer again
+    auto release = [&](unsigned long long* empty) {  // the producer may load into it again
       __syncwarp();
-      if (lane == 0) mbar_arrive(&bar.q_empty[qb]);
+      if (lane == 0) mbar_arrive(empty);
     };
-    for (int it = 0; it < count; ++it, ++pipe) {
-      const int stage = pipe % STAGES;
-      const unsigned phase = (pipe / STAGES) & 1;
-      const int j = tiles.at(it);
-      unsigned pf[Tr::K_PV][4];
-      mbar_wait(&bar.k_full[stage], phase);
+    // Key tile `it` of the item: its stage and the parity of that stage's use.
+    auto stage_of = [&](int it) { return (pipe + it) % STAGES; };
+    auto phase_of = [&](int it) { return static_cast<unsigned>(((pipe + it) / STAGES) & 1); };
+    // S_it's scores (the accumulator of Q K_it^T, then P_it in float32), P as the A fragments of
+    // the P V product in flight, and the rescale factors of the softmax's last update.
+    float s[1][Tr::NT_S][4];
+    unsigned pf[Tr::K_PV][4];
+    float alphas[1][2];
+    // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released.
+    auto probabilities = [&](int it) {
+      if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
+      release(&bar.k_empty[stage_of(it)]);
       if (it < masked)
-        blk.template probabilities<true>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p, seq.ext));
+        blk.template scores_to_probabilities<true>(tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas);
       else
-        blk.template probabilities<false>(j, sK + stage * Tr::KV_BYTES, pf, Tr::Mask::of(p, seq.ext));
-      if (it == count - 1) release_q();  // the item's last S: Q is read (wgmma waited for)
-      mbar_wait(&bar.v_full[stage], phase);
-      blk.accumulate_pv(sV + stage * Tr::KV_BYTES, pf);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&bar.kv_empty[stage]);  // this warp is done with K_j and V_j
+        blk.template scores_to_probabilities<false>(tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas);
+    };
+    // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
+    // the last masked tile is in.
+    auto pv_done = [&](int it) {
+      blk.pv_done(pf);
+      release(&bar.v_empty[stage_of(it)]);
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
+    };
+    // The key tiles. Pipelined within the warpgroup (OVERLAP, FlashAttention-3): S_it = Q K_it^T
+    // is issued before P_{it-1} V_{it-1}, and the softmax of S_it runs while that product is in
+    // flight; acc_o is rescaled for P_{it-1} (by alpha_{it-1}) before its product is issued, and
+    // the P fragments are rewritten only once it has been waited for. Otherwise each tile's
+    // steps run one after the other.
+    auto issue_scores = [&](int it) {
+      mbar_wait(&bar.k_full[stage_of(it)], phase_of(it));
+      blk.issue_scores(sK + stage_of(it) * Tr::KV_BYTES, s);
+    };
+    auto issue_pv = [&](int it) {
+      blk.softmax.rescale(blk.acc_o, alphas);
+      mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
+      blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
+    };
+    if (count == 0) release(&bar.q_empty[qb]);
+    if constexpr (Tr::OVERLAP) {
+      if (count > 0) {
+        turns.begin();
+        issue_scores(0);
+        turns.end();
+        wgmma_wait<0>();
+        probabilities(0);
+        blk.to_a_fragments(s, pf);
+      }
+      for (int it = 1; it < count; ++it) {
+        turns.begin();
+        issue_scores(it);
+        issue_pv(it - 1);
+        turns.end();
+        wgmma_wait<1>();  // S_it
+        probabilities(it);
+        wgmma_wait<0>();  // P_{it-1} V_{it-1}
+        pv_done(it - 1);
+        blk.to_a_fragments(s, pf);
+      }
+      if (count > 0) {
+        issue_pv(count - 1);
+        wgmma_wait<0>();
+        pv_done(count - 1);
+      }
+    } else {
+      for (int it = 0; it < count; ++it) {
+        issue_scores(it);
+        wgmma_wait<0>();
+        probabilities(it);
+        blk.to_a_fragments(s, pf);
+        issue_pv(it);
+        wgmma_wait<0>();
+        pv_done(it);
+      }
     }
-    if (count == 0) release_q();
+    pipe += count;
 
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
     // from registers) and lse.
@@ -301,6 +400,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           p.head_dim, lane);
     }
   }
+  turns.finish();
   if (o_issuer) bulk_wait<0>();  // the last stores have completed before the block exits
 }
 
