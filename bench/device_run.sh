@@ -4,6 +4,11 @@
 #
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
 #   MODES, comma-separated (default tests,sanitize,bench):
+#     smoke     first, a few calls of every TMA bucket against the reference (test_hopper.py's
+#               path test), within $SMOKE_TIMEOUT (default 180 s): if it fails or hangs, nothing
+#               else runs, so that a broken kernel costs a minute rather than the whole call
+#     fwd       bench/probe_forward.py: the forward alone against $BASELINE (when that exists)
+#               and SDPA cuDNN, with explicit tiles, softcap and ALiBi rows
 #     tests     the test suite (the GPU tests run here; HYPOTHESIS_PROFILE=gpu draws 200 examples)
 #     sanitize  compute-sanitizer memcheck (every head-dim bucket), racecheck and synccheck (the
 #               TMA kernels' buckets and one mma.sync bucket), and the 192-row TMA forward tiles;
@@ -65,7 +70,27 @@ if [[ ${PRECOMPILE:-1} == 1 ]]; then
   say "precompile exit $?: $(tail -1 "$LOGS/precompile.log")"
 fi
 
+if has smoke; then
+  timeout ${SMOKE_TIMEOUT:-180} $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_hopper.py \
+    -k aligned_calls > "$LOGS/smoke.log" 2>&1
+  status=$?
+  say "smoke exit $status: $(tail -1 "$LOGS/smoke.log")"
+  if [[ $status != 0 ]]; then
+    cp "$LOGS/smoke.log" "$OUT/smoke.log"
+    tail -40 "$LOGS/smoke.log"
+    exit 1
+  fi
+fi
+
 # The timed runs first, on a quiet GPU.
+if has fwd; then
+  base=${BASELINE:-.ab/base}
+  timeout ${FWD_TIMEOUT:-240} $PY bench/probe_forward.py ${FWD_ARGS:-} \
+    $([[ -d $base ]] && echo --baseline "$base") --out "$OUT" > "$LOGS/fwd.log" 2>"$LOGS/fwd.err"
+  say "probe_forward exit $?"
+  cat "$LOGS/fwd.log" >> "$SUMMARY"
+  tail -5 "$LOGS/fwd.err" >> "$SUMMARY"
+fi
 if has ab; then
   timeout ${AB_TIMEOUT:-300} $PY bench/bench_attention.py ${AB_ARGS:---quick --head-dim 64 96 128 256} \
     --baseline "${BASELINE:-.ab/base}" --out "$OUT/ab" > "$LOGS/ab.log" 2>"$LOGS/ab.err"

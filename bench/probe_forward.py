@@ -1,0 +1,126 @@
+"""Probe: the forward alone, this tree's kernels (the table's tiles and explicit alternatives)
+against another checkout's (--baseline) and SDPA's cuDNN backend, in interleaved rounds on the
+same inputs: the quick A/B of a forward-kernel change (docs/perf/NOTES.md, v18).
+
+    python bench/probe_forward.py [--baseline DIR] [--rounds 5] [--out DIR]
+
+bf16, the benchmark's shapes (B = 16384 / N, H = 2048 / d, bshd), causal and not; softcap 30 and
+ALiBi rows at N = 4k (the masks issue's cost targets, against dense in the same rounds). TFLOP/s
+as bench_attention.py counts them (4 B H N^2 d, halved for causal); each entry is the median over
+rounds of each round's median of back-to-back calls (bench_attention.time_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import load_baseline, sdpa_backend, time_ms  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import testing  # noqa: E402
+from cuflash._dispatch import KernelChoice  # noqa: E402
+
+# (head dim, sequence lengths, alternative tiles of the TMA forward)
+SHAPES = [
+    (64, (1024, 4096, 16384), [(128, 128, 2), (192, 64, 2), (192, 128, 2)]),
+    (128, (1024, 4096, 16384), []),
+    (256, (1024, 4096, 16384), []),
+]
+MODS = [(64, {"softcap": 30.0}), (128, {"softcap": 30.0}), (128, {"alibi": True})]
+
+
+def row(label: str, methods: dict, flops: float, rounds: int) -> dict[str, float]:
+    """TFLOP/s of each method, timed in `rounds` interleaved rounds."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times[name].append(time_ms(fn, warmup=2, min_reps=5, min_time_ms=20.0))
+    result = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
+    print(f"{label:28s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items()), flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", help="a checkout whose cuflash is timed beside this one")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="a directory for probe_forward.txt")
+    args = parser.parse_args()
+    base = load_baseline(args.baseline) if args.baseline else None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lines = []
+
+    def methods_of(q, k, v, causal, alternatives, options, slopes):
+        # bshd arrays: (B, N, H, d)
+        methods = {"cuflash": lambda: cuflash.attention_forward(q, k, v, causal=causal, **options,
+                                                                alibi_slopes=slopes)}
+        if base is not None:
+            methods["base"] = lambda: base.attention_forward(
+                q, k, v, causal=causal, alibi_slopes=slopes, **options
+            )
+        for tiles in alternatives:
+            choice = KernelChoice(tiles=((("forward", "tma"), tiles),))
+            *_, plan = testing.attention_forward_with(
+                choice, q, k, v, causal=causal, alibi_slopes=slopes, **options
+            )
+            pointers = [x.data_ptr() for x in (q, k, v)]
+            methods[str(tiles).replace(" ", "")] = lambda plan=plan, pointers=pointers: plan(
+                *pointers
+            )
+        if not options and slopes is None:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with torch.nn.attention.sdpa_kernel(sdpa_backend("cudnn")):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+            def cudnn():
+                with torch.nn.attention.sdpa_kernel(sdpa_backend("cudnn")):
+                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+            methods["cudnn"] = cudnn
+        return methods
+
+    def inputs(d, n):
+        b, h = 16384 // n, 2048 // d
+        return [
+            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(3)
+        ]
+
+    for d, seqs, alternatives in SHAPES:
+        for n in seqs:
+            q, k, v = inputs(d, n)
+            for causal in (False, True):
+                flops = 4 * q.shape[0] * q.shape[2] * n * n * d / (2 if causal else 1)
+                label = f"d={d} N={n} {'causal' if causal else 'full'}"
+                result = row(label, methods_of(q, k, v, causal, alternatives, {}, None), flops,
+                             args.rounds)
+                lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
+    for d, mod in MODS:
+        q, k, v = inputs(d, 4096)
+        slopes = None
+        if mod.get("alibi"):
+            slopes = torch.rand(q.shape[2], device="cuda", generator=gen) * 0.1
+        options = {key: val for key, val in mod.items() if key != "alibi"}
+        flops = 4 * q.shape[0] * q.shape[2] * 4096 * 4096 * d
+        label = f"d={d} N=4096 {'alibi' if slopes is not None else 'softcap 30'}"
+        result = row(label, methods_of(q, k, v, False, [], options, slopes), flops, args.rounds)
+        lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "probe_forward.txt").write_text(
+            f"{torch.cuda.get_device_name()}, bf16 forward TFLOP/s\n" + "\n".join(lines) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
