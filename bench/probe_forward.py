@@ -25,16 +25,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import load_baseline, sdpa_backend, time_ms  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import testing  # noqa: E402
+from cuflash import _kernels, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
-# (head dim, sequence lengths, alternative tiles of the TMA forward)
+# (head dim, sequence lengths, alternatives to the library's TMA forward: (label, tiles or None
+# for the table's, schedule or None for the table's))
+SERIAL, OVERLAP, TURNS = _kernels.FORWARD_SCHEDULES
+LOOPS = [("serial", None, SERIAL), ("overlap", None, OVERLAP), ("turns", None, TURNS)]
 SHAPES = [
-    (64, (1024, 4096, 16384), [(128, 128, 2), (192, 64, 2), (192, 128, 2)]),
-    (128, (1024, 4096, 16384), []),
-    (256, (1024, 4096, 16384), []),
+    (
+        64,
+        (1024, 4096, 16384),
+        [(f"128x128 {s}", (128, 128, 2), s) for s in (SERIAL, OVERLAP, TURNS)]
+        + [("192x128 serial", (192, 128, 2), SERIAL)],
+    ),
+    (128, (1024, 4096, 16384), LOOPS),
+    (256, (1024, 4096, 16384), LOOPS),
 ]
-MODS = [(64, {"softcap": 30.0}), (128, {"softcap": 30.0}), (128, {"alibi": True})]
+# (head dim, modifier, alternatives)
+MODS = [(64, {"softcap": 30.0}, []), (128, {"softcap": 30.0}, LOOPS), (128, {"alibi": True}, [])]
 
 
 def row(label: str, methods: dict, flops: float, rounds: int) -> dict[str, float]:
@@ -66,15 +75,17 @@ def main() -> int:
             methods["base"] = lambda: base.attention_forward(
                 q, k, v, causal=causal, alibi_slopes=slopes, **options
             )
-        for tiles in alternatives:
-            choice = KernelChoice(tiles=((("forward", "tma"), tiles),))
+        for label, tiles, schedule in alternatives:
+            choice = KernelChoice(
+                tiles=((("forward", "tma"), tiles),) if tiles else (), schedule=schedule
+            )
             *_, plan = testing.attention_forward_with(
                 choice, q, k, v, causal=causal, alibi_slopes=slopes, **options
             )
             pointers = [x.data_ptr() for x in (q, k, v)]
-            methods[str(tiles).replace(" ", "")] = lambda plan=plan, pointers=pointers: plan(
-                *pointers
-            )
+            if slopes is not None:
+                pointers.append(slopes.data_ptr())
+            methods[label] = lambda plan=plan, pointers=pointers: plan(*pointers)
         if not options and slopes is None:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             with torch.nn.attention.sdpa_kernel(sdpa_backend("cudnn")):
@@ -103,7 +114,7 @@ def main() -> int:
                 result = row(label, methods_of(q, k, v, causal, alternatives, {}, None), flops,
                              args.rounds)
                 lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
-    for d, mod in MODS:
+    for d, mod, alternatives in MODS:
         q, k, v = inputs(d, 4096)
         slopes = None
         if mod.get("alibi"):
@@ -111,7 +122,8 @@ def main() -> int:
         options = {key: val for key, val in mod.items() if key != "alibi"}
         flops = 4 * q.shape[0] * q.shape[2] * 4096 * 4096 * d
         label = f"d={d} N=4096 {'alibi' if slopes is not None else 'softcap 30'}"
-        result = row(label, methods_of(q, k, v, False, [], options, slopes), flops, args.rounds)
+        methods = methods_of(q, k, v, False, alternatives, options, slopes)
+        result = row(label, methods, flops, args.rounds)
         lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
     if args.out:
         out = Path(args.out)

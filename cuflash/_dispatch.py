@@ -30,12 +30,13 @@ class KernelChoice:
     path: the fastest path to allow ("tma", "wgmma", "mma"); a family without an instance there
         takes the next one. tiles: ((family, path), tiles) pairs that replace the table's tiles
         (cuflash/_kernels.py) of those instances. o_store: "registers" makes the TMA forward write
-        O from registers.
+        O from registers. schedule: the TMA forward's key-tile loop (_kernels.FORWARD_SCHEDULES).
     """
 
     path: str | None = None
     tiles: tuple[tuple[tuple[str, str], tuple[int, ...]], ...] = ()
     o_store: str = "tma"
+    schedule: str | None = None
 
     def tiles_for(self, family: str, path: str) -> tuple[int, ...] | None:
         return dict(self.tiles).get((family, path))
@@ -107,7 +108,9 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
         and p.head_dim == bucket
         and _tma_readable(p, strides, ("o",))
     )
-    spec = _kernels.instance("forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma)
+    spec = _kernels.instance(
+        "forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma, choice.schedule
+    )
     # Row blocks get costlier along the sequence under a right bound (causal): pair heavy with
     # light items, and put the partial block first, where it sees the fewest keys.
     slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)

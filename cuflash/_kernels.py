@@ -163,6 +163,22 @@ _PACKED_SCORE_MOD_TILES = {("dkdv", "mma", 128): (32, 32, 4, 2)}
 # The TMA forward writes O through a staging tile and TMA stores up to this head dim (shared
 # memory has room for the tile there).
 TMA_STORE_MAX_HEAD_DIM = 128
+# The TMA forward's key-tile loop (kernels_cu/forward_sm90_tma.cu, SCHEDULE): each tile's steps one
+# after the other ("serial"), pipelined within each consumer warpgroup ("overlap"), or pipelined
+# with the consumers taking turns at the tensor cores ("turns").
+FORWARD_SCHEDULES = ("serial", "overlap", "turns")
+
+
+def forward_schedule(head_dim: int, tiles: tuple) -> str:
+    """The TMA forward's loop for these tiles: pipelined where a consumer's registers hold O's
+    accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 64 for the rest:
+    three consumers at d = 64 and BN = 128 spilled 16-160 bytes), with turns at d <= 128."""
+    bm, bn = tiles[0], tiles[1]
+    registers = 240 if bm // 64 == 2 else 160  # kernels_cu/tma.cuh, WarpSpecialisedRegisters
+    bucket = head_dim_bucket(head_dim)
+    if bucket // 2 + bn // 2 + bn // 4 + 64 > registers:
+        return "serial"
+    return "turns" if bucket <= 128 else "overlap"
 # exact (CUDA cores, float64 arithmetic): (BM, BN, threads per row), BM == BN.
 _EXACT_TILES = {
     "float32": {
@@ -204,6 +220,7 @@ class KernelSpec:
     rows_per_block: int  # sequence rows a block owns: queries (keys for dkdv; rows for preprocess)
     rows_per_step: int  # rows of each tile it streams: keys (queries for dkdv)
     o_via_tma: bool = False  # TMA forward: O written through a staging tile by the TMA unit
+    schedule: str = ""  # TMA forward: its key-tile loop (FORWARD_SCHEDULES)
 
 
 def head_dim_bucket(d: int) -> int:
@@ -271,10 +288,13 @@ def instance(
     tiles: tuple | None = None,
     features: int = 0,
     o_via_tma: bool = False,
+    schedule: str | None = None,
 ) -> KernelSpec:
     """The instance of `family` on `path` for `dtype` and head dim `head_dim` (any d in 1..256),
     with `tiles` (the table's, default_tiles, when None). `o_via_tma`: the TMA forward writes O
-    through a staging tile and TMA stores (head dims up to TMA_STORE_MAX_HEAD_DIM only)."""
+    through a staging tile and TMA stores (head dims up to TMA_STORE_MAX_HEAD_DIM only).
+    `schedule`: the TMA forward's key-tile loop (FORWARD_SCHEDULES; forward_schedule's when
+    None)."""
     if (family, path) not in _SOURCE_FILE:
         raise ValueError(f"no {path!r} kernel for family {family!r}")
     if dtype not in DTYPES:
@@ -297,6 +317,7 @@ def instance(
             rows_per_block,
             rows_per_step,
             o_via_tma,
+            schedule or "",
         )
 
     if family == "preprocess":
@@ -307,8 +328,14 @@ def instance(
     if tiles is None:
         tiles = default_tiles(family, path, dtype, hd, features=features)
     tiles = tuple(tiles)
+    if path == "tma" and family == "forward":
+        schedule = schedule or forward_schedule(hd, tiles)
+        if schedule not in FORWARD_SCHEDULES:
+            raise ValueError(f"schedule must be one of {FORWARD_SCHEDULES}, got {schedule!r}")
+    elif schedule is not None:
+        raise ValueError("only the TMA forward has a choice of schedule")
     if path == "tma":
-        return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma)
+        return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule)
     if o_via_tma:
         raise ValueError("only the TMA forward writes O with TMA stores")
     if path == "wgmma":
@@ -346,7 +373,7 @@ def instance(
     return spec(expr, bm * tpr, smem, bm, bn)
 
 
-def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> KernelSpec:
+def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule) -> KernelSpec:
     bm, bn, stages = tiles
     if o_via_tma and (family != "forward" or hd > TMA_STORE_MAX_HEAD_DIM):
         raise ValueError(f"no TMA store of O for {family} at head dim {hd}")
@@ -355,7 +382,8 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma) -> K
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
     if family == "forward":  # Q per buffer; K and V per stage; the O staging tile; two barriers
         # per buffer and four per stage (K and V: full and empty)
-        expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {features}>"
+        loop = FORWARD_SCHEDULES.index(schedule)
+        expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {loop}, {features}>"
         tiles_rows = bufs * bm + 2 * stages * bn + (bm if o_via_tma else 0)
         smem = tiles_rows * row_bytes + 8 * (2 * bufs + 4 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)

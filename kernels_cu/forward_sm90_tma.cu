@@ -12,14 +12,14 @@
 // Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the steps of
 // forward_sm90.cuh on their 64 query rows, waiting for K_j before S = Q K_j^T and for V_j only
 // before O += P V_j, and release K_j (its "empty" barrier) once S_j is computed, V_j once P_j V_j
-// is, and the Q buffer after the item's last S. Where the registers allow (OVERLAP) a consumer
-// pipelines its loop, as FlashAttention-3 does: S_{j+1} and P_j V_j are in flight on the tensor
-// cores while it computes the softmax of S_{j+1}; and the consumers take turns at issuing their
-// products (TensorCoreTurns), so that their softmaxes do not coincide. The producer loads the
-// next work item's Q and first K/V tiles while the consumers finish the current one (with one Q
-// buffer, HD = 256, K_0 before Q: its stage frees up as early). No block-wide barrier after the
-// set-up. The copies zero-fill rows past N and columns past d, so the consumers see padded tiles
-// as the cp.async kernel builds them.
+// is, and the Q buffer after the item's last S. The host picks the loop (SCHEDULE): each tile's
+// steps one after the other, or pipelined as in FlashAttention-3 (S_{j+1} and P_j V_j in flight
+// on the tensor cores while a consumer computes the softmax of S_{j+1}), optionally with the
+// consumers taking turns at issuing their products (TensorCoreTurns), so that their softmaxes do
+// not coincide. The producer loads the next work item's Q and first K/V tiles while the
+// consumers finish the current one (with one Q buffer, HD = 256, K_0 before Q: its stage frees
+// up as early). No block-wide barrier after the set-up. The copies zero-fill rows past N and
+// columns past d, so the consumers see padded tiles as the cp.async kernel builds them.
 //
 // Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile, and d == HD)
 // each consumer warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the
@@ -82,7 +82,13 @@ struct TensorCoreTurns {
   }
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int FEATURES>
+// The key-tile loop of the consumers (the host's choice, cuflash/_kernels.py): each tile's steps
+// one after the other, pipelined within each warpgroup, or pipelined with turns at the tensor
+// cores.
+enum ForwardSchedule { SCHEDULE_SERIAL = 0, SCHEDULE_OVERLAP = 1, SCHEDULE_TURNS = 2 };
+
+template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int SCHEDULE,
+          int FEATURES>
 struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr int CONSUMERS = BM / 64;
   // O through a staging tile and TMA stores (see the top of the file)
@@ -93,14 +99,11 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
   // Q buffers: the next work item's Q loads during this one
   static constexpr int Q_BUFS = ItemBuffers<HD>::COUNT;
-  // The key-tile loop pipelined within each warpgroup (the consumers' loop below) where the
-  // registers allow it: a thread then holds O's accumulator (HD / 2 registers), S (BN / 2) and the
-  // P fragments of the product in flight (BN / 4) at once; with three consumers at d = 64 and
-  // BN = 128 it spilled 16-160 bytes.
-  static constexpr bool OVERLAP = HD / 2 + BN / 2 + BN / 4 + 64 <= Regs::CONSUMER;
-  // Turns at the tensor cores (TensorCoreTurns) in the pipelined loop where a tile's products are
-  // short beside its softmax: HD <= 128, as in FlashAttention-3.
-  static constexpr bool TURNS = OVERLAP && HD <= 128;
+  // Pipelined, a thread holds O's accumulator (HD / 2 registers), S (BN / 2) and the P
+  // fragments of the product in flight (BN / 4) at once: with three consumers at d = 64 and
+  // BN = 128 that spilled 16-160 bytes, and the host asks for SCHEDULE_SERIAL there.
+  static constexpr bool OVERLAP = SCHEDULE != SCHEDULE_SERIAL;
+  static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
   static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
 };
@@ -149,10 +152,11 @@ __device__ __forceinline__ void stage_output_rows(unsigned char* sO, const float
   }
 }
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int FEATURES>
+template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int SCHEDULE,
+          int FEATURES>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_forward_tma(const __grid_constant__ ForwardMaps maps, const __grid_constant__ Params p) {
-  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, O_VIA_TMA, FEATURES> Tr;
+  typedef TmaForwardTraits<Elem, HD, BM, BN, STAGES, O_VIA_TMA, SCHEDULE, FEATURES> Tr;
   static_assert(!Tr::STAGE_O || HD <= 128, "an O staging tile fits in shared memory at HD <= 128");
   constexpr int Q_BUFS = Tr::Q_BUFS;
   constexpr bool PACKED = Features<FEATURES>::PACKED;
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       release(&bar.v_empty[stage_of(it)]);
       if (it == masked - 1) repair = nonfinite_rows(blk.acc_o);
     };
-    // The key tiles. Pipelined within the warpgroup (OVERLAP, FlashAttention-3): S_it = Q K_it^T
+    // The key tiles. Pipelined within the warpgroup (Tr::OVERLAP, FlashAttention-3): S_it = Q K_it^T
     // is issued before P_{it-1} V_{it-1}, and the softmax of S_it runs while that product is in
     // flight; acc_o is rescaled for P_{it-1} (by alpha_{it-1}) before its product is issued, and
     // the P fragments are rewritten only once it has been waited for. Otherwise each tile's

@@ -33,6 +33,14 @@ def strides_of(p, pad: int = 0) -> dict:
     }
 
 
+def test_a_choice_picks_the_tma_forwards_loop():
+    p = problem(head_dim=128, window=(None, None))
+    for loop in (None, *_kernels.FORWARD_SCHEDULES):
+        pair = _dispatch.forward(p, strides_of(p), "sm_90a", 132, KernelChoice(schedule=loop))
+        assert pair.aligned.spec.schedule == (loop or "turns")
+        assert pair.unaligned.spec.schedule == ""  # the wgmma kernel has one loop
+
+
 def test_forward_paths_by_architecture_and_strides():
     p = problem(head_dim=128, window=(None, None))
     pair = _dispatch.forward(p, strides_of(p), "sm_90a", 132)
