@@ -45,16 +45,16 @@ SLOWER = 0.97  # a point where cuflash runs under this fraction of the baseline 
 _baseline = None  # the cuflash of --baseline, imported as cuflash_baseline
 
 
-def load_baseline(root: str):
-    """The cuflash package of the checkout at `root`, as the module cuflash_baseline."""
+def load_baseline(root: str, name: str = "cuflash_baseline"):
+    """The cuflash package of the checkout at `root`, as the module `name`."""
     import importlib.util
 
     package = Path(root).resolve() / "cuflash"
     spec = importlib.util.spec_from_file_location(
-        "cuflash_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
+        name, package / "__init__.py", submodule_search_locations=[str(package)]
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules["cuflash_baseline"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

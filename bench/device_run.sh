@@ -7,8 +7,9 @@
 #     smoke     first, a few calls of every TMA bucket against the reference (test_hopper.py's
 #               path test), within $SMOKE_TIMEOUT (default 180 s): if it fails or hangs, nothing
 #               else runs, so that a broken kernel costs a minute rather than the whole call
-#     fwd       bench/probe_forward.py: the forward alone against $BASELINE (when that exists)
-#               and SDPA cuDNN, with explicit tiles, softcap and ALiBi rows
+#     fwd       bench/probe_forward.py: the forward alone against the checkouts in $FWD_BASELINES
+#               (default $BASELINE where it exists) and SDPA cuDNN, with explicit tiles and loops,
+#               softcap and ALiBi rows
 #     tests     the test suite (the GPU tests run here; HYPOTHESIS_PROFILE=gpu draws 200 examples)
 #     sanitize  compute-sanitizer memcheck (every head-dim bucket), racecheck and synccheck (the
 #               TMA kernels' buckets and one mma.sync bucket), and the 192-row TMA forward tiles;
@@ -85,8 +86,9 @@ fi
 # The timed runs first, on a quiet GPU.
 if has fwd; then
   base=${BASELINE:-.ab/base}
+  bases=${FWD_BASELINES:-$([[ -d $base ]] && echo "$base")}
   timeout ${FWD_TIMEOUT:-240} $PY bench/probe_forward.py ${FWD_ARGS:-} \
-    $([[ -d $base ]] && echo --baseline "$base") --out "$OUT" > "$LOGS/fwd.log" 2>"$LOGS/fwd.err"
+    ${bases:+--baseline $bases} --out "$OUT" > "$LOGS/fwd.log" 2>"$LOGS/fwd.err"
   say "probe_forward exit $?"
   cat "$LOGS/fwd.log" >> "$SUMMARY"
   tail -5 "$LOGS/fwd.err" >> "$SUMMARY"

@@ -1,8 +1,9 @@
 """Probe: the forward alone, this tree's kernels (the table's tiles and explicit alternatives)
-against another checkout's (--baseline) and SDPA's cuDNN backend, in interleaved rounds on the
-same inputs: the quick A/B of a forward-kernel change (docs/perf/NOTES.md, v18).
+against other checkouts' (--baseline) and SDPA's flash and cuDNN backends, in interleaved rounds
+on the same inputs: the quick A/B of a forward-kernel change (docs/perf/NOTES.md, v18). Each
+baseline is a column named after its directory.
 
-    python bench/probe_forward.py [--baseline DIR] [--rounds 5] [--out DIR]
+    python bench/probe_forward.py [--baseline DIR ...] [--rounds 5] [--out DIR]
 
 bf16, the benchmark's shapes (B = 16384 / N, H = 2048 / d, bshd), causal and not; softcap 30 and
 ALiBi rows at N = 4k (the masks issue's cost targets, against dense in the same rounds). TFLOP/s
@@ -59,20 +60,28 @@ def row(label: str, methods: dict, flops: float, rounds: int) -> dict[str, float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", help="a checkout whose cuflash is timed beside this one")
+    parser.add_argument(
+        "--baseline", nargs="*", default=[], help="checkouts whose cuflash is timed beside this one"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="a directory for probe_forward.txt")
     args = parser.parse_args()
-    base = load_baseline(args.baseline) if args.baseline else None
+    bases = {
+        Path(root).name: load_baseline(root, f"cuflash_baseline_{i}")
+        for i, root in enumerate(args.baseline)
+    }
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = []
 
     def methods_of(q, k, v, causal, alternatives, options, slopes):
         # bshd arrays: (B, N, H, d)
-        methods = {"cuflash": lambda: cuflash.attention_forward(q, k, v, causal=causal, **options,
-                                                                alibi_slopes=slopes)}
-        if base is not None:
-            methods["base"] = lambda: base.attention_forward(
+        methods = {
+            "cuflash": lambda: cuflash.attention_forward(
+                q, k, v, causal=causal, **options, alibi_slopes=slopes
+            )
+        }
+        for label, base in bases.items():
+            methods[label] = lambda base=base: base.attention_forward(
                 q, k, v, causal=causal, alibi_slopes=slopes, **options
             )
         for label, tiles, schedule in alternatives:
@@ -88,14 +97,14 @@ def main() -> int:
             methods[label] = lambda plan=plan, pointers=pointers: plan(*pointers)
         if not options and slopes is None:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            with torch.nn.attention.sdpa_kernel(sdpa_backend("cudnn")):
-                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            for peer in ("flash", "cudnn"):
 
-            def cudnn():
-                with torch.nn.attention.sdpa_kernel(sdpa_backend("cudnn")):
-                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                def sdpa(peer=peer):
+                    with torch.nn.attention.sdpa_kernel(sdpa_backend(peer)):
+                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-            methods["cudnn"] = cudnn
+                sdpa()  # a peer that does not run fails here, before the timing
+                methods[peer] = sdpa
         return methods
 
     def inputs(d, n):
@@ -111,9 +120,12 @@ def main() -> int:
             for causal in (False, True):
                 flops = 4 * q.shape[0] * q.shape[2] * n * n * d / (2 if causal else 1)
                 label = f"d={d} N={n} {'causal' if causal else 'full'}"
-                result = row(label, methods_of(q, k, v, causal, alternatives, {}, None), flops,
-                             args.rounds)
-                lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
+                result = row(
+                    label, methods_of(q, k, v, causal, alternatives, {}, None), flops, args.rounds
+                )
+                lines.append(
+                    f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items())
+                )
     for d, mod, alternatives in MODS:
         q, k, v = inputs(d, 4096)
         slopes = None

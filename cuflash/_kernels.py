@@ -170,15 +170,19 @@ FORWARD_SCHEDULES = ("serial", "overlap", "turns")
 
 
 def forward_schedule(head_dim: int, tiles: tuple) -> str:
-    """The TMA forward's loop for these tiles: pipelined where a consumer's registers hold O's
-    accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 64 for the rest:
-    three consumers at d = 64 and BN = 128 spilled 16-160 bytes), with turns at d <= 128."""
+    """The TMA forward's loop for these tiles: pipelined with turns where a consumer's registers
+    hold O's accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 64 for
+    the rest: three consumers at d = 64 and BN = 128 spilled 16-160 bytes). On an H100, turns ran
+    1.04-1.11x serial at d = 128 and 1.01-1.05x at d = 256, and "overlap" (no turns) 0.97-1.02x
+    serial (docs/perf/NOTES.md, v18)."""
     bm, bn = tiles[0], tiles[1]
     registers = 240 if bm // 64 == 2 else 160  # kernels_cu/tma.cuh, WarpSpecialisedRegisters
     bucket = head_dim_bucket(head_dim)
     if bucket // 2 + bn // 2 + bn // 4 + 64 > registers:
         return "serial"
-    return "turns" if bucket <= 128 else "overlap"
+    return "turns"
+
+
 # exact (CUDA cores, float64 arithmetic): (BM, BN, threads per row), BM == BN.
 _EXACT_TILES = {
     "float32": {
