@@ -48,11 +48,13 @@ MODS = [(64, {"softcap": 30.0}, []), (128, {"softcap": 30.0}, LOOPS), (128, {"al
 
 
 def row(label: str, methods: dict, flops: float, rounds: int) -> dict[str, float]:
-    """TFLOP/s of each method, timed in `rounds` interleaved rounds."""
+    """TFLOP/s of each method, timed in `rounds` interleaved rounds; each round starts one method
+    later than the last, so that no method always runs first or after the same one."""
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            times[name].append(time_ms(fn, warmup=2, min_reps=5, min_time_ms=20.0))
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(time_ms(methods[name], warmup=2, min_reps=5, min_time_ms=20.0))
     result = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
     print(f"{label:28s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items()), flush=True)
     return result
@@ -64,6 +66,7 @@ def main() -> int:
         "--baseline", nargs="*", default=[], help="checkouts whose cuflash is timed beside this one"
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--head-dim", nargs="+", type=int, help="only these head dims' rows")
     parser.add_argument("--out", default=None, help="a directory for probe_forward.txt")
     args = parser.parse_args()
     bases = {
@@ -114,7 +117,10 @@ def main() -> int:
             for _ in range(3)
         ]
 
+    wanted = set(args.head_dim or (d for d, *_ in SHAPES))
     for d, seqs, alternatives in SHAPES:
+        if d not in wanted:
+            continue
         for n in seqs:
             q, k, v = inputs(d, n)
             for causal in (False, True):
@@ -127,6 +133,8 @@ def main() -> int:
                     f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items())
                 )
     for d, mod, alternatives in MODS:
+        if d not in wanted:
+            continue
         q, k, v = inputs(d, 4096)
         slopes = None
         if mod.get("alibi"):
