@@ -8,8 +8,8 @@
 #               path test), within $SMOKE_TIMEOUT (default 180 s): if it fails or hangs, nothing
 #               else runs, so that a broken kernel costs a minute rather than the whole call
 #     fwd       bench/probe_forward.py: the forward alone against the checkouts in $FWD_BASELINES
-#               (default $BASELINE where it exists) and SDPA cuDNN, with explicit tiles and loops,
-#               softcap and ALiBi rows
+#               (default $BASELINE where it exists) and SDPA flash and cuDNN, with explicit tiles
+#               and loops, softcap and ALiBi rows
 #     tests     the test suite (the GPU tests run here; HYPOTHESIS_PROFILE=gpu draws 200 examples)
 #     sanitize  compute-sanitizer memcheck (every head-dim bucket), racecheck and synccheck (the
 #               TMA kernels' buckets and one mma.sync bucket), and the 192-row TMA forward tiles;

@@ -47,17 +47,19 @@ SHAPES = [
 MODS = [(64, {"softcap": 30.0}, []), (128, {"softcap": 30.0}, LOOPS), (128, {"alibi": True}, [])]
 
 
-def row(label: str, methods: dict, flops: float, rounds: int) -> dict[str, float]:
-    """TFLOP/s of each method, timed in `rounds` interleaved rounds; each round starts one method
-    later than the last, so that no method always runs first or after the same one."""
+def row(label: str, methods: dict, flops: float, rounds: int) -> str:
+    """The table's line: TFLOP/s of each method, timed in `rounds` interleaved rounds; each round
+    starts one method later than the last, so that no method always runs first or after the same
+    one."""
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(time_ms(methods[name], warmup=2, min_reps=5, min_time_ms=20.0))
     result = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
-    print(f"{label:28s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items()), flush=True)
-    return result
+    line = f"{label:28s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items())
+    print(line, flush=True)
+    return line
 
 
 def main() -> int:
@@ -126,12 +128,8 @@ def main() -> int:
             for causal in (False, True):
                 flops = 4 * q.shape[0] * q.shape[2] * n * n * d / (2 if causal else 1)
                 label = f"d={d} N={n} {'causal' if causal else 'full'}"
-                result = row(
-                    label, methods_of(q, k, v, causal, alternatives, {}, None), flops, args.rounds
-                )
-                lines.append(
-                    f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items())
-                )
+                methods = methods_of(q, k, v, causal, alternatives, {}, None)
+                lines.append(row(label, methods, flops, args.rounds))
     for d, mod, alternatives in MODS:
         if d not in wanted:
             continue
@@ -143,8 +141,7 @@ def main() -> int:
         flops = 4 * q.shape[0] * q.shape[2] * 4096 * 4096 * d
         label = f"d={d} N=4096 {'alibi' if slopes is not None else 'softcap 30'}"
         methods = methods_of(q, k, v, False, alternatives, options, slopes)
-        result = row(label, methods, flops, args.rounds)
-        lines.append(f"{label:28s} " + "  ".join(f"{m} {r:6.1f}" for m, r in result.items()))
+        lines.append(row(label, methods, flops, args.rounds))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
