@@ -2,7 +2,7 @@
 
     python bench/bench_varlen.py [--head-dim 64 128] [--causal both|yes|no] [--dtype bfloat16]
         [--tokens 65536] [--seed 1] [--peers checked dense njt_flash ... pad_efficient]
-        [--rounds 3] [--out DIR]
+        [--baseline DIR] [--rounds 3] [--out DIR]
 
 The batch: --tokens (65536) tokens packed without padding, in sequences whose lengths are drawn
 with a fixed seed from a long-tailed distribution (lognormal, median 1024, sigma 1, clipped to
@@ -11,6 +11,8 @@ with a fixed seed from a long-tailed distribution (lognormal, median 1024, sigma
 cuflash.attention_varlen_forward and attention_varlen_backward (given o and lse; both max_seqlen
 given: no host copy) against the peers:
 
+  baseline       the cuflash of the checkout at --baseline DIR (e.g. .ab/base, a git worktree of
+                 an earlier commit), same calls: an A/B of the packed kernels in the same rounds
   checked        cuflash's packed forward with max_seqlen omitted: the offsets are copied to the
                  host and checked on every call (the cost of not passing max_seqlen)
   dense          cuflash's dense kernels on B x 4096 with as many tokens (B = tokens / 4096): what
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -60,11 +63,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import event_times, sdpa_backend  # noqa: E402  (puts the repo on the path)
+from bench_attention import (  # noqa: E402  (puts the repo on the path)
+    event_times,
+    load_baseline,
+    sdpa_backend,
+)
 
 import cuflash  # noqa: E402
 
 PEERS = (
+    "baseline",
     "checked",
     "dense",
     "njt_flash",
@@ -76,6 +84,7 @@ PEERS = (
 )
 LABELS = {
     "cuflash": "cuflash varlen",
+    "baseline": "cuflash varlen, --baseline checkout",
     "checked": "cuflash varlen, offsets checked",
     "dense": "cuflash dense B x {n}",
     "njt_flash": "SDPA jagged, flash",
@@ -85,6 +94,9 @@ LABELS = {
     "pad_cudnn": "SDPA padded, cuDNN",
     "pad_efficient": "SDPA padded, efficient",
 }
+
+
+_baseline = functools.cache(load_baseline)  # one import of the checkout per run
 
 
 class Skip(Exception):
@@ -226,19 +238,20 @@ def method_jobs(method: str, causal: bool, batch: Batch, args, outputs: dict) ->
         return Job(method, causal, which, fn, context, reps, warmup)
 
     longest = dict(max_seqlen_q=b.longest, max_seqlen_k=b.longest)
-    if method in ("cuflash", "checked"):
-        kw = dict(causal=causal, **(longest if method == "cuflash" else {}))
-        o, lse = cuflash.attention_varlen_forward(b.q, b.k, b.v, b.cu, b.cu, **kw)
+    if method in ("cuflash", "checked", "baseline"):
+        if method == "baseline" and args.baseline is None:
+            raise Skip("no --baseline checkout given")
+        lib = _baseline(args.baseline) if method == "baseline" else cuflash
+        kw = dict(causal=causal, **(longest if method != "checked" else {}))
+        o, lse = lib.attention_varlen_forward(b.q, b.k, b.v, b.cu, b.cu, **kw)
         outputs[method] = o
-        jobs = [
-            job("fwd", lambda: cuflash.attention_varlen_forward(b.q, b.k, b.v, b.cu, b.cu, **kw))
-        ]
-        if method == "cuflash":
-            cuflash.attention_varlen_backward(b.do, b.q, b.k, b.v, o, lse, b.cu, b.cu, **kw)
+        jobs = [job("fwd", lambda: lib.attention_varlen_forward(b.q, b.k, b.v, b.cu, b.cu, **kw))]
+        if method != "checked":
+            lib.attention_varlen_backward(b.do, b.q, b.k, b.v, o, lse, b.cu, b.cu, **kw)
             jobs.append(
                 job(
                     "bwd",
-                    lambda: cuflash.attention_varlen_backward(
+                    lambda: lib.attention_varlen_backward(
                         b.do, b.q, b.k, b.v, o, lse, b.cu, b.cu, **kw
                     ),
                 )
@@ -441,6 +454,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dense-seq", type=int, default=4096, help="N of the dense point")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--baseline", help="a checkout whose cuflash is the peer 'baseline'")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(

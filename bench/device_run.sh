@@ -5,8 +5,9 @@
 #   bash bench/device_run.sh [MODES] [extra pytest args...]
 #   MODES, comma-separated (default tests,sanitize,bench):
 #     smoke     first, a few calls of every TMA bucket against the reference (test_hopper.py's
-#               path test), within $SMOKE_TIMEOUT (default 180 s): if it fails or hangs, nothing
-#               else runs, so that a broken kernel costs a minute rather than the whole call
+#               path test; $SMOKE_TESTS: other pytest arguments), within $SMOKE_TIMEOUT (default
+#               180 s): if it fails or hangs, nothing else runs, so that a broken kernel costs a
+#               minute rather than the whole call
 #     fwd       bench/probe_forward.py: the forward alone against the checkouts in $FWD_BASELINES
 #               (default $BASELINE where it exists) and SDPA flash and cuDNN, with explicit tiles
 #               and loops, softcap and ALiBi rows
@@ -65,15 +66,21 @@ if [[ ${COLD:-1} == 1 ]] && has tests; then
   say "cold compile, one process: $(tail -1 "$LOGS/compile_cold.log")"
   head -3 "$LOGS/compile_cold.log" | tee -a "$SUMMARY"
 fi
-# Every instance into the cache, in parallel (later steps only load binaries).
+# Every instance into the cache, in parallel (later steps only load binaries); with
+# $BASELINE_PRECOMPILE_ARGS, also the --baseline checkout's instances that those select.
+if [[ -n ${BASELINE_PRECOMPILE_ARGS:-} && -d ${BASELINE:-.ab/base} ]]; then
+  (cd "${BASELINE:-.ab/base}" && PYTHONPATH=$PWD $PY -m cuflash.precompile --jobs 16 \
+    $BASELINE_PRECOMPILE_ARGS) > "$LOGS/precompile_baseline.log" 2>&1
+  say "baseline precompile exit $?: $(tail -1 "$LOGS/precompile_baseline.log")"
+fi
 if [[ ${PRECOMPILE:-1} == 1 ]]; then
   $PY -m cuflash.precompile --jobs 16 ${PRECOMPILE_ARGS:-} > "$LOGS/precompile.log" 2>&1
   say "precompile exit $?: $(tail -1 "$LOGS/precompile.log")"
 fi
 
 if has smoke; then
-  timeout ${SMOKE_TIMEOUT:-180} $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_hopper.py \
-    -k aligned_calls > "$LOGS/smoke.log" 2>&1
+  timeout ${SMOKE_TIMEOUT:-180} $PY -m pytest -x -q -p no:cacheprovider \
+    ${SMOKE_TESTS:-tests/gpu/test_hopper.py -k aligned_calls} > "$LOGS/smoke.log" 2>&1
   status=$?
   say "smoke exit $status: $(tail -1 "$LOGS/smoke.log")"
   if [[ $status != 0 ]]; then

@@ -31,15 +31,17 @@ FORWARD_TENSORS = ("q", "k", "v", "o", "lse")
 BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
 
 
-# Packed calls also pass the offsets of their sequences, after the tensors (and the slopes).
-PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")
+# Packed calls also pass the offsets of their sequences, after the tensors (and the slopes), then
+# their work lists' workspace (_dispatch.work_list_bytes; 0 where no launch of the plan uses one).
+PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "work_list")
 
 
 def _with_extras(
     p: Problem, tensors: tuple[str, ...], strides: _dispatch.Strides, alibi: ArrayInfo | None
 ) -> tuple[str, ...]:
     """The pointers a call passes: the tensors, then the ALiBi slopes where it has them (their
-    strides go into `strides`), then the packed sequences' offsets where it has them."""
+    strides go into `strides`), then the packed sequences' offsets and the work lists'
+    workspace where it has them."""
     if alibi is not None:
         strides["alibi"] = _validate.alibi_strides(alibi)
         tensors = (*tensors, "alibi")
@@ -81,6 +83,10 @@ class Run:
         )
         self.loaded = _compile.load(launch.spec, device)
         self._threads = threading.local()  # each thread's argument block (_params.Arguments)
+        # packed calls on the persistent kernels: the launch that writes this one's work list
+        self.builder = None
+        if launch.builder is not None:
+            self.builder = Run(launch.builder, p, strides, tensors, template_address, device)
 
     def __call__(self, stream: int, pointers: tuple[int, ...]) -> None:
         args = getattr(self._threads, "args", None)
@@ -90,6 +96,8 @@ class Run:
         args.set_pointers(pointers)
         for index, (slot, tensor_map) in enumerate(self.maps):
             args.set_map(index, tensor_map.bytes_for(pointers[slot]))
+        if self.builder is not None:
+            self.builder(stream, pointers)
         _launch.launch(self.loaded, self.launch.grid, self.device, stream, args.address)
 
 
@@ -137,6 +145,16 @@ def _make_all(chosen: Any, make: Callable[[_dispatch.Launch], Run]) -> Any:
     return tuple(Runs(pair, make) for pair in (chosen.preprocess, chosen.dkdv, chosen.dq))
 
 
+def workspace(alloc: CudaAllocator, words: int) -> tuple[Any, tuple[int, ...]]:
+    """A packed call's work-list workspace of `words` int32 words: the buffer (hold it until the
+    launches are queued) and its pointer, the last of a call's pointers (PACKED_OFFSETS); None and
+    () for calls without one."""
+    if not words:
+        return None, ()
+    buffer = alloc((words,), "int32")
+    return buffer, (buffer.ptr,)
+
+
 def _target(device: int) -> tuple[str, int]:
     return _compile.device_arch(device), _compile.sm_count(device)
 
@@ -162,7 +180,9 @@ class ForwardPlan:
         self.shapes = (p.q_shape, p.dtype, p.lse_shape, p.lse_dtype)
         self.work = p.has_work
         # torch tensors take the shortest path (the host time of small calls matters)
-        self.torch_fast = qi.library == "torch" and self.work and not poison
+        # packed calls' work lists (an int32 workspace; cuflash/_dispatch.py, work_list_bytes)
+        self.work_list_words = _dispatch.work_list_bytes(p, "forward") // 4
+        self.torch_fast = qi.library == "torch" and self.work and not poison and not p.packed
         if self.torch_fast:
             import torch
 
@@ -199,7 +219,8 @@ class ForwardPlan:
         self.launch(self.stream(self.device), pointers)
 
     def launch(self, stream: int, pointers: tuple[int, ...]) -> None:
-        """Launches on `stream`, on the pointers of FORWARD_TENSORS (and the slopes'), o and lse
+        """Launches on `stream`, on the pointers of FORWARD_TENSORS (and the slopes', then a
+        packed call's offsets and a workspace of work_list_words int32 words), o and lse
         C-contiguous: the outputs belong to the caller (XLA's buffers under cuflash.jax)."""
         aligned = not (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15
         self.runs.pick(aligned)(stream, pointers)
@@ -219,13 +240,15 @@ class ForwardPlan:
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, *extra_ptr: int) -> tuple[Any, Any]:
         """Runs the plan on the pointers of q, k, v (then the ALiBi slopes and the packed
-        sequences' offsets, where it has them)."""
+        sequences' offsets, where it has them; the plan allocates the work lists' workspace)."""
         o_shape, dtype, lse_shape, lse_dtype = self.shapes
         # a row that sees no key (no keys at all, here) has o = 0 and lse = -inf
         o = self.alloc(o_shape, dtype, None if self.work else 0.0)
         lse = self.alloc(lse_shape, lse_dtype, None if self.work else -np.inf)
         if self.work:
-            self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *extra_ptr))
+            # released when this returns: the allocators are stream-ordered (BackwardPlan's D)
+            _held, work_list = workspace(self.alloc, self.work_list_words)
+            self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *extra_ptr, *work_list))
         return self.alloc.result(o), self.alloc.result(lse)
 
 
@@ -253,6 +276,7 @@ class BackwardPlan:
         if not self.work:
             return
         self.delta_dtype = "float64" if p.dtype in _kernels.EXACT_DTYPES else "float32"
+        self.work_list_words = _dispatch.work_list_bytes(p, "backward") // 4
         strides = {
             "q": p.bhs_strides(qi.strides),
             "k": p.bhs_strides(ki.strides),
@@ -302,14 +326,16 @@ class BackwardPlan:
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
             delta = self.alloc(p.lse_shape, self.delta_dtype)
-            pointers = (q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta.ptr)
-            self.launch(self.stream(self.device), (*pointers, dq.ptr, dk.ptr, dv.ptr, *extra_ptr))
+            _held, work_list = workspace(self.alloc, self.work_list_words)  # the same, packed
+            pointers = (q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta.ptr, dq.ptr, dk.ptr)
+            self.launch(self.stream(self.device), (*pointers, dv.ptr, *extra_ptr, *work_list))
         result = self.alloc.result
         return result(dq), result(dk), result(dv)
 
     def launch(self, stream: int, pointers: tuple[int, ...]) -> None:
         """Launches the three kernels on `stream`, on the pointers of BACKWARD_TENSORS (and the
-        slopes'): delta, dq, dk and dv C-contiguous and owned by the caller."""
+        slopes', then a packed call's offsets and a workspace of work_list_words int32 words):
+        delta, dq, dk and dv C-contiguous and owned by the caller."""
         q, k, v, o, do, _, _, dq, dk, dv = pointers[:10]
         self.preprocess.pick(not (o | do) & 15)(stream, pointers)
         aligned = not (q | k | v | do | dq | dk | dv) & 15

@@ -59,6 +59,9 @@ class Launch:
     lanes_per_row: int = 32  # preprocess
     maps: tuple[tuple[str, int], ...] = field(default=())  # TMA: (tensor, box rows), in order
     sizes: tuple[tuple[str, int], ...] = ()  # Params sizes that differ from the problem's
+    # Packed calls on the persistent kernels: the launch of build_work_list that writes this
+    # launch's work list just before it (kernels_cu/work_list.cuh)
+    builder: Launch | None = None
 
     def params_fields(self) -> dict[str, int]:
         return {
@@ -120,6 +123,43 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     return Pair(aligned, unaligned)
 
 
+# The work lists of packed calls on the persistent kernels (kernels_cu/work_list.cuh): a header and
+# an entry per item, 16 bytes each, in a workspace that the plan allocates per call: the
+# forward's list, or the backward's two (dK/dV's, then dQ's). Its size depends on the problem
+# alone (cuflash.jax declares it when tracing), so it is bounded with the smallest block of any
+# persistent kernel; each list's capacity uses its kernel's own blocks.
+WORK_LIST_ENTRY_BYTES = 16
+_LIST_BOUND_ROWS = 64
+_LIST_KEYS, _LIST_END_ALIGNED = 1, 2  # work_list.cuh, list_flags
+
+
+def _list_capacity(p: Problem, heads: int, total_rows: int, rows: int) -> int:
+    """Items of a well-formed packed batch's list: each sequence's blocks of `rows` rows (at most
+    one partial), with an empty one to make a pair, for every head."""
+    return heads * (_ceil_div(total_rows, rows) + 2 * p.batch)
+
+
+def _list_bases(p: Problem) -> dict[str, int]:
+    """The first entry (the header) of each family's list in the workspace."""
+    return {
+        "forward": 0,
+        "dkdv": 0,
+        "dq": 1 + _list_capacity(p, p.heads_kv, p.total_k, _LIST_BOUND_ROWS),
+    }
+
+
+def work_list_bytes(p: Problem, family: str) -> int:
+    """The workspace of a packed call's work lists ("forward" or "backward"); 0 unless packed."""
+    if not p.packed:
+        return 0
+    entries = 1 + _list_capacity(p, p.heads_q, p.total_q, _LIST_BOUND_ROWS)
+    if family == "backward":
+        entries += _list_bases(p)["dq"]
+    if entries >= 2**31:
+        raise ValueError(f"packed batch too large: {entries} work items exceed 2^31")
+    return entries * WORK_LIST_ENTRY_BYTES
+
+
 def backward(
     p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT
 ) -> BackwardLaunches:
@@ -165,7 +205,8 @@ def backward(
             )
             spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles, features(p))
             blocks = _ceil_div(seq, spec.rows_per_block)
-            launches.append(_persistent_launch(p, spec, heads, blocks, sm_count, maps))
+            launch = _persistent_launch(p, spec, heads, blocks, sm_count, maps, family=family)
+            launches.append(launch)
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
 
@@ -256,25 +297,60 @@ def _persistent_launch(
     sm_count: int,
     maps: tuple,
     row_shift: int = 0,
+    family: str = "forward",
 ) -> Launch:
     """A TMA kernel's launch: a block per SM walks the work list of `blocks` row blocks of every
     (batch, head). Under a right bound (causal) later blocks see more keys: the walk pairs heavy
-    items with light ones (common.cuh, WorkWalk). Packed paired lists rotate whole pairs within
-    a head (kernels_cu/params.cuh, decode_sequence_work): an odd block count gets an empty one
-    (the TMA forward's end-aligned slots are even already)."""
+    items with light ones (common.cuh, WorkWalk). Packed calls walk a list that build_work_list
+    writes before the launch (kernels_cu/work_list.cuh): its capacity sets the grid, the count it
+    writes ends the walk."""
     heavy_last = p.mask.bounded_right
-    if p.packed and heavy_last:
-        blocks += blocks & 1
-    work = blocks * p.batch * heads
+    if not p.packed:
+        work = blocks * p.batch * heads
+        return Launch(
+            spec,
+            _persistent_grid(work, heavy_last, sm_count),
+            blocks,
+            vec=True,
+            num_work=work,
+            paired=heavy_last,
+            row_shift=row_shift,
+            maps=maps,
+        )
+    # end-aligned forward slots are even already; the list pairs a sequence's own blocks
+    blocks += blocks & 1 if heavy_last else 0
+    keys = family == "dkdv"
+    capacity = _list_capacity(p, heads, p.total_k if keys else p.total_q, spec.rows_per_block)
+    capacity -= capacity & 1  # pairs stay whole
+    flags = (_LIST_KEYS if keys else 0) | (
+        _LIST_END_ALIGNED if family == "forward" and heavy_last else 0
+    )
+    base = (("list_base", _list_bases(p)[family]),)
+    builder = Launch(
+        _kernels.work_list_instance(),
+        1,
+        blocks,
+        num_work=capacity,
+        paired=heavy_last,
+        sizes=(
+            ("list_rows", spec.rows_per_block),
+            ("list_cost_rows", spec.rows_per_step),
+            ("list_heads", heads),
+            ("list_flags", flags),
+            *base,
+        ),
+    )
     return Launch(
         spec,
-        _persistent_grid(work, heavy_last, sm_count),
+        _persistent_grid(capacity, heavy_last, sm_count),
         blocks,
         vec=True,
-        num_work=work,
+        num_work=capacity,
         paired=heavy_last,
         row_shift=row_shift,
         maps=maps,
+        sizes=base,
+        builder=builder,
     )
 
 

@@ -409,6 +409,7 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     """Every instance the library's dispatch can launch on `arch` (cuflash/_dispatch.py): what
     the compile check must cover."""
     specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs(arch)
+    specs.add(work_list_instance())
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:
@@ -427,6 +428,32 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                                     instance(family, path, dt, hd, tiles, features, o_via_tma)
                                 )
     return sorted(specs, key=lambda s: s.name_expression)
+
+
+# ---------------------------------------------------------------------------------------------
+# The work lists of packed calls on the persistent kernels (kernels_cu/work_list.cu)
+
+WORK_LIST_SOURCE = "work_list.cu"
+WORK_LIST_THREADS = 1024  # one block (LIST_THREADS)
+
+
+@cache
+def work_list_instance() -> KernelSpec:
+    """build_work_list: one block writes a packed launch's work list (kernels_cu/work_list.cuh)."""
+    expr = "cuflash::build_work_list"
+    return KernelSpec(
+        "work_list",
+        "sequences",
+        "float32",
+        0,
+        0,
+        WORK_LIST_SOURCE,
+        expr,
+        WORK_LIST_THREADS,
+        0,
+        0,
+        0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,7 +544,14 @@ DECODE_MAX_ROWS = 64
 DECODE_MAX_SPLITS = 128  # the combine's block reads one split per thread (COMBINE_MAX_SPLITS)
 DECODE_FEATURE_SETS = tuple(range(8))  # LOCAL, SOFTCAP, ALIBI: no PACKED
 # Families whose instances have no FEATURES template argument (they apply no mask or modifier).
-FEATURELESS_FAMILIES = ("preprocess", "append", "gather", "pack_offsets", "decode_combine")
+FEATURELESS_FAMILIES = (
+    "preprocess",
+    "append",
+    "gather",
+    "pack_offsets",
+    "decode_combine",
+    "work_list",
+)
 APPEND_THREADS = 256
 COMBINE_WARPS = 8
 GATHER_THREADS = 128

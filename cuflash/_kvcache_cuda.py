@@ -336,7 +336,10 @@ class KVCachePlan:
         launch = (q_ptr, keys.ptr, values.ptr, ptr["o"], lse_packed.ptr)
         if "alibi" in ptr:
             launch += (ptr["alibi"],)
-        self.forward.launch(stream, (*launch, cu_q.ptr, cu_k.ptr))
+        from . import _cuda
+
+        _held, work_list = _cuda.workspace(alloc, self.forward.work_list_words)
+        self.forward.launch(stream, (*launch, cu_q.ptr, cu_k.ptr, *work_list))
         _transpose_lse(lse_packed, lse, p, stream)
 
 

@@ -57,6 +57,7 @@ class Params(ctypes.Structure):
         ("cu_seqlens_k", _ptr),
         ("seqused_k", _ptr),
         ("block_table", _ptr),
+        ("work_list", _ptr),
         ("scale", _f64),
         ("softcap", _f64),
         ("batch", _i32),
@@ -82,9 +83,14 @@ class Params(ctypes.Structure):
         ("seq_new", _i32),
         ("num_splits", _i32),
         ("keys_per_split", _i32),
+        ("list_rows", _i32),
+        ("list_cost_rows", _i32),
+        ("list_heads", _i32),
+        ("list_flags", _i32),
         ("num_work", _i64),
         ("rows", _i64),
         ("block_table_stride", _i64),
+        ("list_base", _i64),
     ]
 
 
@@ -121,7 +127,7 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
 
 def pointer_offset(name: str) -> int:
     """Where the pointer of `name` lies in Params: a TensorRef's ptr, or a plain pointer field
-    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)."""
+    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, work_list)."""
     field = getattr(Params, name)
     if name in TENSORS:
         return field.offset + TensorRef.ptr.offset

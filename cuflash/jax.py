@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _cpu, _dlpack, _interop, _jax_ring, _validate, _varlen
+from . import _cpu, _dispatch, _dlpack, _interop, _jax_ring, _validate, _varlen
 from ._jax_ring import zigzag_order, zigzag_restore  # noqa: F401 (public: cuflash.jax.zigzag_*)
 
 _TRACE_DEVICE = ("cuda", -1)  # the device is known only when the call runs
@@ -209,7 +209,7 @@ class _VarlenForwardCall(_ForwardCall):
     """The callback of one packed forward problem (inputs q, k, v, the offsets, the slopes)."""
 
     def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
-        o, lse = outs
+        o, lse, work_list = outs
         if _on_cpu(inputs[0]):
             q, k, v, cq, ck, *alibi = _cpu_infos(inputs, _VARLEN_NAMES)
             p = self.problem
@@ -220,7 +220,7 @@ class _VarlenForwardCall(_ForwardCall):
             np.asarray(lse)[...] = lse_value
             return
         q, k, v, cq, ck, *alibi = inputs
-        pointers = _pointers((q, k, v, o, lse, *alibi, cq, ck))
+        pointers = _pointers((q, k, v, o, lse, *alibi, cq, ck, work_list))
         device = q.__dlpack_device__()[1]
         plan = self.plans.get(device)
         if plan is None:
@@ -241,7 +241,7 @@ class _VarlenBackwardCall(_BackwardCall):
     """The callback of one packed backward problem."""
 
     def __call__(self, ctx: Any, outs: tuple, *inputs: Any) -> None:
-        dq, dk, dv, delta = outs
+        dq, dk, dv, delta, work_list = outs
         if _on_cpu(inputs[0]):
             do, q, k, v, o, lse, cq, ck, *alibi = _cpu_infos(inputs, _VARLEN_BACKWARD_NAMES)
             p = self.problem
@@ -252,7 +252,7 @@ class _VarlenBackwardCall(_BackwardCall):
                 np.asarray(out)[...] = value
             return
         do, q, k, v, o, lse, cq, ck, *alibi = inputs
-        pointers = _pointers((q, k, v, o, do, lse, delta, dq, dk, dv, *alibi, cq, ck))
+        pointers = _pointers((q, k, v, o, do, lse, delta, dq, dk, dv, *alibi, cq, ck, work_list))
         device = q.__dlpack_device__()[1]
         plan = self.plans.get(device)
         if plan is None:
@@ -267,6 +267,12 @@ class _VarlenBackwardCall(_BackwardCall):
             self.problem, [do, q, k, v, o, lse, *alibi], device, pointers[:6] + pointers[8:]
         )
         return _cuda.BackwardPlan(problem, do, q, k, v, o, lse, alibi=_first(alibi))
+
+
+def _work_list_scratch(problem: Any, family: str) -> Any:
+    """A packed call's work-list workspace (cuflash/_dispatch.py, work_list_bytes), a scratch
+    output that XLA allocates: int32 words, as the plans take it."""
+    return jax.ShapeDtypeStruct((_dispatch.work_list_bytes(problem, family) // 4,), jnp.int32)
 
 
 def _first(items: list) -> Any:
@@ -659,8 +665,10 @@ def _varlen_forward(options: _Options, longest: tuple, q, k, v, cq, ck, slopes) 
         results = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(problem.lse_shape, problem.lse_dtype),
+            _work_list_scratch(problem, "forward"),
         )
-        outputs = tuple(_custom_call(_VarlenForwardCall(problem, infos), results)(*arrays))
+        call = _custom_call(_VarlenForwardCall(problem, infos), results)
+        outputs = tuple(call(*arrays)[:2])
     return _vary_like(outputs, arrays)
 
 
@@ -677,6 +685,7 @@ def _varlen_backward(options: _Options, longest: tuple, do, q, k, v, o, lse, cq,
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct((delta_bytes,), jnp.uint8),
+        _work_list_scratch(problem, "backward"),
     )
     call = _custom_call(_VarlenBackwardCall(problem, infos), results)
     return _vary_like(tuple(call(*arrays)[:3]), arrays)

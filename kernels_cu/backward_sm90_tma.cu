@@ -112,7 +112,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   TmaDqBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDqBarriers<BUFS, STAGES>*>(s_delta + BUFS * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WorkWalk walk{p.num_work, p.paired != 0};  // common.cuh
+  const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0};  // common.cuh
 
   if (threadIdx.x == 0) {
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     int pipe = 0, round = 0;
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= p.num_work) continue;
+      if (item >= walk.num_work) continue;
       const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
       const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int kv_head = bc.head / p.group, m0 = bc.block * BM;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= p.num_work) continue;
+    if (item >= walk.num_work) continue;
     // The item's coordinates are decoded again where used, and the sequence's offsets looked up
     // again for the epilogue (as in the dK/dV kernel); its extents (registers: packed) go through
     // the loop in the mask.
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   TmaDkdvBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDkdvBarriers<BUFS, STAGES>*>(s_delta + STAGES * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WorkWalk walk{p.num_work, p.paired != 0};
+  const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0};
 
   if (threadIdx.x == 0) {
     mbar_init_pairs(bar.kv_full, bar.kv_empty, 1, 4 * CONSUMERS);
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     int pipe = 0, round = 0;
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= p.num_work) continue;
+      if (item >= walk.num_work) continue;
       // head: the key/value head
       const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
       const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= p.num_work) continue;
+    if (item >= walk.num_work) continue;
     // The item's coordinates are decoded again where used (held through the loop they cost
     // registers that the ALiBi instances then spilled; packed: read from shared memory,
     // TmaDkdvBarriers::item), and the sequence's offsets looked up again for the epilogue.

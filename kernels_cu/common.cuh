@@ -123,12 +123,21 @@ __host__ __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int
 // The first item of this block's step `step` (0, 1, 2, ...) and whether the walk is over. Paired:
 // items 2 i, 2 i + 1 of each round of 2 G (G = gridDim.x); else item i of each round of G. A step
 // may give an item >= num_work (skip it); the walk ends at the first round past the list.
+// SNAKE (packed lists, whose items get cheaper along the list: params.cuh, decode_sequence_work):
+// odd rounds go the other way (block b takes position G - 1 - b), so that no block takes the
+// heaviest item of every round; simulated on long-tailed batches, the busiest block's work fell
+// from 1.02-1.05x the mean to 1.005-1.02x (docs/perf/NOTES.md, v19).
+template <bool SNAKE = false>
 struct WorkWalk {
   i64 num_work;
   bool paired;
   __device__ __forceinline__ i64 item(int step) const {
     const i64 grid = gridDim.x;
-    return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
+    if constexpr (!SNAKE)
+      return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
+    const i64 round = paired ? step >> 1 : step;
+    const i64 slot = (round & 1) ? grid - 1 - blockIdx.x : blockIdx.x;
+    return paired ? 2 * (grid * round + slot) + (step & 1) : grid * round + slot;
   }
   __device__ __forceinline__ bool done(int step) const {  // the first round past the list
     const i64 grid = gridDim.x;

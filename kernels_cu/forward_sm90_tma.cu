@@ -172,7 +172,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // The parameters are read where they are used (Tr::Mask::of(p) builds the mask there): copies
   // held through the loops cost the consumers registers.
-  const WorkWalk walk{p.num_work, p.paired != 0};  // common.cuh
+  const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0};  // common.cuh
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     int round = 0;  // work items done
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
-      if (item >= p.num_work) continue;
+      if (item >= walk.num_work) continue;
       const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
       const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
-    if (item >= p.num_work) continue;
+    if (item >= walk.num_work) continue;
     const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
     const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
     blk.m0 = slot_row0<BM>(p, seq, bc.block);

@@ -30,6 +30,10 @@ struct Params {
   const int* cu_seqlens_k;
   const int* seqused_k;     // KV cache: rows in use per sequence before the append, or null
   const int* block_table;   // paged KV cache: (batch, max pages) page indices; null: contiguous
+  // Packed calls on the persistent (TMA) kernels: the work list that build_work_list
+  // (work_list.cu) writes before each launch, at entry list_base: a header {items, 0, 0, 0}, then
+  // one (sequence, head, block, 0) per item (decode_sequence_work).
+  int4* work_list;
   double scale;             // S = scale * q . k
   double softcap;           // softcap c: S = c tanh(S / c) (the SOFTCAP feature, score_mod.cuh)
   int batch, heads_q, heads_kv, group;  // group = heads_q / heads_kv
@@ -49,9 +53,13 @@ struct Params {
   // seqused_k is null, rows appended (k_new), splits of the keys and keys per split (a multiple
   // of the key tile). seq_k is the capacity: the most rows one sequence's cache can hold.
   int page_size, num_pages, cache_len, seq_new, num_splits, keys_per_split;
+  // build_work_list (work_list.cuh, WorkListShape): the list's rows per block and the rows of the
+  // tiles an item streams (its cost), its heads, and LIST_KEYS / LIST_END_ALIGNED.
+  int list_rows, list_cost_rows, list_heads, list_flags;
   i64 num_work;       // persistent kernels: work items (row blocks of every head)
   i64 rows;           // preprocess: batch * heads_q * seq_q
   i64 block_table_stride;  // paged KV cache: elements between two sequences' rows of the table
+  i64 list_base;      // packed persistent kernels: the first entry (the header) of their work list
 };
 
 // Row 0 of head `head` of sequence `batch` of a tensor, as T: 64-bit offsets throughout.
@@ -110,7 +118,8 @@ struct Seq {
     return s;
   }
   // First row of sequence b of offsets `cu`, and its rows in n (both clamped as above).
-  static __device__ __forceinline__ int span(const int* cu, int b, int total, int longest, int& n) {
+  static __host__ __device__ __forceinline__ int span(const int* cu, int b, int total, int longest,
+                                                      int& n) {
     const int first = min(max(cu[b], 0), total);
     const int last = min(max(cu[b + 1], first), total);
     n = min(last - first, longest);
@@ -147,31 +156,27 @@ struct Seq {
 
 // Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
 // dK/dV; `heads`: the heads of the list, query heads or key/value heads; tests/test_work_list.py
-// checks it on the host): decode_paired_work's list
-// of whole heads (consecutive items share a head's keys in L2). Packed calls rotate each head's
-// blocks (pairs, when paired: the host then gives an even num_blocks) by the head's index in the
-// list: a short sequence has real blocks only at a few positions of its num_blocks (the rest lie
-// past its rows), and a block-per-SM walk (item = step G + block) hands the same positions of
-// every head to the blocks whose index matches them modulo gcd(G, num_blocks): on a long-tailed
-// batch the busiest block had 1.2-2.5x the mean work, 1.03-1.14x rotated (simulated on five
-// draws). A list by slot level (slot r of every head, then r + 1) is as balanced but lost the L2
-// sharing: equal lengths ran 25-30% slower (docs/perf/NOTES.md, v13).
+// checks it on the host). Dense calls: decode_paired_work's list of whole heads (consecutive items
+// share a head's keys in L2). Packed calls: entry `item` of the list that build_work_list wrote
+// for this launch (work_list.cuh): only the blocks that hold rows of their sequence, each head's
+// blocks together, the sequences with the most key tiles first (paired: heavy with light).
 template <bool PACKED>
 __host__ __device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item,
                                                                    int heads) {
   if constexpr (!PACKED) {
     return decode_paired_work(item, heads, p.num_blocks);
   } else {
-    const int units = p.paired ? p.num_blocks / 2 : p.num_blocks;  // per (sequence, head)
-    const i64 unit_item = p.paired ? item >> 1 : item;
-    const i64 group = unit_item / units;
-    const int unit = static_cast<int>((unit_item - group * units + group % units) % units);
-    BlockCoords c;
-    c.batch = static_cast<int>(group / heads);
-    c.head = static_cast<int>(group - static_cast<i64>(c.batch) * heads);
-    c.block = !p.paired || (item & 1) ? unit : p.num_blocks - 1 - unit;
-    return c;
+    const int4 entry = p.work_list[p.list_base + 1 + item];
+    return BlockCoords{entry.x, entry.y, entry.z};
   }
+}
+
+// The items of a persistent kernel's list: the launch's count (dense), or the count that
+// build_work_list wrote in the packed list's header.
+template <bool PACKED>
+__device__ __forceinline__ i64 work_count(const Params& p) {
+  if constexpr (PACKED) return p.work_list[p.list_base].x;
+  else return p.num_work;
 }
 
 }  // namespace cuflash

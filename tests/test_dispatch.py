@@ -170,9 +170,10 @@ def test_features_of_a_problem_pick_the_instances():
 def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     """A packed call (q (Tq, Hq, d), k and v (Tk, Hkv, d)) on Hopper: the TMA forward, its maps
     covering the packed tensors as one sequence, one work slot per row block of the longest
-    sequence, end-aligned per sequence under causal masking (the kernel finds each sequence's
-    rows); the backward on the TMA kernels too, over the same maps, each with an even count of
-    row blocks per head under causal masking (paired, rotated work lists)."""
+    sequence, slots of the longest sequence's blocks, end-aligned per sequence under causal
+    masking; the backward on the TMA kernels too, over the same maps, paired under causal
+    masking. Each launch walks a list that a build_work_list launch writes before it, within a
+    capacity for any well-formed offsets, at its own place in the plan's workspace."""
     p = problem(
         batch=5, seq_q=2100, seq_k=3000, head_dim=64, packed=True, total_q=5000, total_k=7000
     )
@@ -185,7 +186,17 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     assert spec.path == "tma" and spec.features & _kernels.FEATURE_PACKED
     assert spec.rows_per_block == 192  # the long sequences' tiles (2100 rows)
     assert pair.aligned.paired and pair.aligned.num_blocks == 12  # 11 blocks, even: end-aligned
-    assert pair.aligned.num_work == 12 * 5 * 8
+    # capacity: every head's blocks of 192 rows of 5000, one partial and one filler a sequence
+    assert pair.aligned.num_work == 8 * (27 + 2 * 5) and pair.aligned.grid == 132
+    builder = pair.aligned.builder
+    assert builder.spec == _kernels.work_list_instance() and builder.grid == 1
+    assert builder.num_work == pair.aligned.num_work and builder.paired
+    assert dict(builder.sizes) == dict(
+        list_rows=192, list_cost_rows=128, list_heads=8, list_flags=2, list_base=0
+    )
+    assert dict(pair.aligned.sizes) == {"list_base": 0}
+    assert pair.unaligned.builder is None
+    assert _dispatch.work_list_bytes(p, "forward") == 16 * (1 + 8 * (79 + 10))
     alibi = replace(p, alibi=True)
     assert _dispatch.forward(alibi, strides, "sm_90a", 132).aligned.spec.rows_per_block == 128
     launches = _dispatch.backward(p, strides, "sm_90a", 132)
@@ -193,8 +204,14 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     assert dkdv.spec.path == dq.spec.path == "tma"
     assert dkdv.spec.features & dq.spec.features & _kernels.FEATURE_PACKED
     assert dkdv.paired and dq.paired
-    assert dkdv.num_blocks == 24 and dkdv.num_work == 24 * 5 * 2  # 3000 keys, 128 per block
-    assert dq.num_blocks == 18 and dq.num_work == 18 * 5 * 8  # 17 blocks of 128 rows, even
+    assert dkdv.num_blocks == 24 and dkdv.num_work == 2 * (55 + 10)  # blocks of 128 keys
+    assert dq.num_blocks == 18 and dq.num_work == 8 * (40 + 10)  # blocks of 128 rows
+    assert dict(dkdv.builder.sizes)["list_flags"] == 1  # key blocks, from each sequence's start
+    assert dict(dq.builder.sizes)["list_flags"] == 0
+    # the workspace: dK/dV's list (its bound), then dQ's
+    assert dict(dkdv.sizes) == {"list_base": 0}
+    assert dict(dq.sizes) == {"list_base": 1 + 2 * (110 + 10)}
+    assert _dispatch.work_list_bytes(p, "backward") == 16 * (1 + 2 * 120 + 1 + 8 * 89)
     assert dict(dq.maps) == {"q": 64, "k": 64, "v": 64, "dout": 64}
     assert launches.dq.unaligned.spec.path != "tma"
     # not causal: the block counts as they come, taken one at a time
