@@ -2,7 +2,7 @@
 
     python bench/bench_varlen.py [--head-dim 64 128] [--causal both|yes|no] [--dtype bfloat16]
         [--tokens 65536] [--seed 1] [--peers checked dense njt_flash ... pad_efficient]
-        [--baseline DIR] [--rounds 3] [--out DIR]
+        [--baseline DIR ...] [--rounds 3] [--out DIR]
 
 The batch: --tokens (65536) tokens packed without padding, in sequences whose lengths are drawn
 with a fixed seed from a long-tailed distribution (lognormal, median 1024, sigma 1, clipped to
@@ -11,8 +11,9 @@ with a fixed seed from a long-tailed distribution (lognormal, median 1024, sigma
 cuflash.attention_varlen_forward and attention_varlen_backward (given o and lse; both max_seqlen
 given: no host copy) against the peers:
 
-  baseline       the cuflash of the checkout at --baseline DIR (e.g. .ab/base, a git worktree of
-                 an earlier commit), same calls: an A/B of the packed kernels in the same rounds
+  baseline       the cuflash of each checkout of --baseline DIR [DIR ...] (e.g. .ab/base, a git
+                 worktree of an earlier commit), same calls: an A/B of the packed kernels in the
+                 same rounds (methods baseline, baseline#2, ...)
   checked        cuflash's packed forward with max_seqlen omitted: the offsets are copied to the
                  host and checked on every call (the cost of not passing max_seqlen)
   dense          cuflash's dense kernels on B x 4096 with as many tokens (B = tokens / 4096): what
@@ -96,7 +97,15 @@ LABELS = {
 }
 
 
-_baseline = functools.cache(load_baseline)  # one import of the checkout per run
+_baseline = functools.cache(load_baseline)  # one import of each checkout per run
+
+
+def label_of(method: str, args) -> str:
+    """The table's name of a method: a baseline names its checkout."""
+    if method.startswith("baseline"):
+        index = int(method.partition("#")[2] or 1) - 1
+        return f"cuflash varlen, {args.baseline[index]}"
+    return LABELS[method].format(n=args.dense_seq)
 
 
 class Skip(Exception):
@@ -238,10 +247,13 @@ def method_jobs(method: str, causal: bool, batch: Batch, args, outputs: dict) ->
         return Job(method, causal, which, fn, context, reps, warmup)
 
     longest = dict(max_seqlen_q=b.longest, max_seqlen_k=b.longest)
-    if method in ("cuflash", "checked", "baseline"):
-        if method == "baseline" and args.baseline is None:
-            raise Skip("no --baseline checkout given")
-        lib = _baseline(args.baseline) if method == "baseline" else cuflash
+    if method in ("cuflash", "checked") or method.startswith("baseline"):
+        lib = cuflash
+        if method.startswith("baseline"):
+            if not args.baseline:
+                raise Skip("no --baseline checkout given")
+            index = int(method.partition("#")[2] or 1) - 1
+            lib = _baseline(args.baseline[index], f"cuflash_baseline_{index}")
         kw = dict(causal=causal, **(longest if method != "checked" else {}))
         o, lse = lib.attention_varlen_forward(b.q, b.k, b.v, b.cu, b.cu, **kw)
         outputs[method] = o
@@ -421,7 +433,7 @@ def format_table(rows: list[Row], args) -> str:
             title = f"d={d} H={group[0].heads}{' causal' if causal else ''}"
             lines += [f"{title:34s}" + head[34:], "-" * len(head)]
             for r in group:
-                label = LABELS[r.method].format(n=args.dense_seq)
+                label = label_of(r.method, args)
                 cells = []
                 for which in ("fwd", "bwd"):
                     t = r.tflops(which)
@@ -454,7 +466,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dense-seq", type=int, default=4096, help="N of the dense point")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    parser.add_argument("--baseline", help="a checkout whose cuflash is the peer 'baseline'")
+    parser.add_argument(
+        "--baseline", nargs="+", default=[], help="checkouts whose cuflash are the 'baseline' peers"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
@@ -465,7 +479,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     args.causal_values = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    methods = ["cuflash"] + [p for p in PEERS if p in args.peers]
+    methods = ["cuflash"]
+    for peer in (p for p in PEERS if p in args.peers):
+        if peer == "baseline" and args.baseline:
+            methods += ["baseline"] + [f"baseline#{i + 1}" for i in range(1, len(args.baseline))]
+        else:
+            methods.append(peer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -494,8 +513,7 @@ def main(argv=None) -> int:
     )
     table = format_table(rows, args)
     notes = [
-        f"  d={r.head_dim}{' causal' if r.causal else ''} "
-        f"{LABELS[r.method].format(n=args.dense_seq)}: {n}"
+        f"  d={r.head_dim}{' causal' if r.causal else ''} {label_of(r.method, args)}: {n}"
         for r in rows
         for n in r.notes
     ]

@@ -5,7 +5,8 @@
 
 bf16, B = 4, Hq = Hkv = 16 (the benchmark's 4k point); --causal, --window LEFT for the masks;
 --backward adds the backward to each call; --packed runs the same B sequences as one packed batch
-(attention_varlen_*).
+(attention_varlen_*); --long-tailed runs bench_varlen.py's packed batch instead (65536 tokens of
+lengths 64..8192, Hq = Hkv = 2048 / d).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--long-tailed", action="store_true")
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args()
     b, n = args.batch, args.seq
@@ -42,10 +44,22 @@ def main() -> None:
         slopes = torch.rand(args.heads, device="cuda", dtype=torch.float32)
     window = None if args.window is None else (args.window, 0)
     options = dict(causal=args.causal, window=window, softcap=args.softcap, alibi_slopes=slopes)
-    if args.packed:
+    if args.long_tailed:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_varlen import draw_lengths
+
+        lengths = draw_lengths(65536, 1024, 1.0, 64, 8192, 1)
+        shape = (sum(lengths), 2048 // args.head_dim, args.head_dim)
+        q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu.cuda()
+        options.update(max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        args.packed = True
+    elif args.packed:
         q, k, v, do = (x.view(b * n, *shape[2:]) for x in (q, k, v, do))
         cu = torch.arange(0, b * n + 1, n, device="cuda", dtype=torch.int32)
         options.update(max_seqlen_q=n, max_seqlen_k=n)
+    if args.packed:
 
         def forward():
             return cuflash.attention_varlen_forward(q, k, v, cu, cu, **options)

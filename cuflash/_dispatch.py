@@ -124,11 +124,11 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
 
 
 # The work lists of packed calls on the persistent kernels (kernels_cu/work_list.cuh): a header and
-# an entry per item, 16 bytes each, in a workspace that the plan allocates per call: the
+# an entry per item, 32 bytes each (kernels_cu/params.cuh, work_item), in a workspace that the plan allocates per call: the
 # forward's list, or the backward's two (dK/dV's, then dQ's). Its size depends on the problem
 # alone (cuflash.jax declares it when tracing), so it is bounded with the smallest block of any
 # persistent kernel; each list's capacity uses its kernel's own blocks.
-WORK_LIST_ENTRY_BYTES = 16
+WORK_LIST_ENTRY_BYTES = 32
 _LIST_BOUND_ROWS = 64
 _LIST_KEYS, _LIST_END_ALIGNED = 1, 2  # work_list.cuh, list_flags
 

@@ -129,8 +129,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
-      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+      const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_q);
+      const BlockCoords bc = work.c;
+      const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = bc.block * BM;
       if (PACKED && m0 >= seq.nq(p)) continue;  // past this sequence's rows
       const TileRange tiles = Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
@@ -174,8 +175,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // The item's coordinates are decoded again where used, and the sequence's offsets looked up
     // again for the epilogue (as in the dK/dV kernel); its extents (registers: packed) go through
     // the loop in the mask.
-    const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
-    const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
+    const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_q);
+    const BlockCoords item_bc = work.c;
+    const Extents<PACKED> ext = work.seq.ext;
     const int m0 = item_bc.block * BM;
     if (PACKED && m0 >= ext.nq(p)) continue;  // past this sequence's rows, skipped by the producer too
     const TileRange tiles = Mask::of(p, ext).key_tiles(m0, BM, BN);
@@ -210,8 +212,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
     // Epilogue: dQ = scale * acc, from registers.
     const float scale = static_cast<float>(p.scale);
-    const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
-    const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+    const WorkItem<PACKED> again = work_item<PACKED>(p, item, p.heads_q);
+    const BlockCoords bc = again.c;
+    const Seq<PACKED> seq = again.seq;
     unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, bc.head);
     const int row0 = m0 + warp_row0;
     store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, seq.nq(p), d, rows.acc_dq, scale,
@@ -299,8 +302,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
       // head: the key/value head
-      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
-      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+      const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_kv);
+      const BlockCoords bc = work.c;
+      const Seq<PACKED> seq = work.seq;
       const int n0 = bc.block * BN;
       if (PACKED && n0 >= seq.nk(p)) continue;  // past this sequence's keys
       const TileRange tiles = Mask::of(p, seq.ext).template query_tiles<!PACKED>(n0, BN, BM);
@@ -347,8 +351,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     // The item's coordinates are decoded again where used (held through the loop they cost
     // registers that the ALiBi instances then spilled; packed: read from shared memory,
     // TmaDkdvBarriers::item), and the sequence's offsets looked up again for the epilogue.
-    const BlockCoords item_bc = decode_sequence_work<PACKED>(p, item, p.heads_kv);
-    const Extents<PACKED> ext = Seq<PACKED>::of(p, item_bc.batch).ext;
+    const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_kv);
+    const BlockCoords item_bc = work.c;
+    const Extents<PACKED> ext = work.seq.ext;
     const int n0 = item_bc.block * BN;
     if (PACKED && n0 >= ext.nk(p)) continue;  // past this sequence's keys, skipped by the producer too
     const TileRange tiles = Mask::of(p, ext).template query_tiles<!PACKED>(n0, BN, BM);

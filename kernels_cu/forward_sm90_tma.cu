@@ -196,8 +196,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
-      const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+      const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_q);
+      const BlockCoords bc = work.c;
+      const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
       if (m0 + BM <= 0 || m0 >= seq.nq(p)) continue;  // an empty slot (row_shift above)
       const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
@@ -253,8 +254,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= walk.num_work) continue;
-    const BlockCoords bc = decode_sequence_work<PACKED>(p, item, p.heads_q);
-    const Seq<PACKED> seq = Seq<PACKED>::of(p, bc.batch);
+    const WorkItem<PACKED> work = work_item<PACKED>(p, item, p.heads_q);
+    const BlockCoords bc = work.c;
+    const Seq<PACKED> seq = work.seq;
     blk.m0 = slot_row0<BM>(p, seq, bc.block);
     if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too
     blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);

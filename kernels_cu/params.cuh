@@ -31,8 +31,8 @@ struct Params {
   const int* seqused_k;     // KV cache: rows in use per sequence before the append, or null
   const int* block_table;   // paged KV cache: (batch, max pages) page indices; null: contiguous
   // Packed calls on the persistent (TMA) kernels: the work list that build_work_list
-  // (work_list.cu) writes before each launch, at entry list_base: a header {items, 0, 0, 0}, then
-  // one (sequence, head, block, 0) per item (decode_sequence_work).
+  // (work_list.cu) writes before each launch, from entry list_base (two int4 each): a header
+  // {items, ...}, then an entry per item (work_item).
   int4* work_list;
   double scale;             // S = scale * q . k
   double softcap;           // softcap c: S = c tanh(S / c) (the SOFTCAP feature, score_mod.cuh)
@@ -156,26 +156,59 @@ struct Seq {
 
 // Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
 // dK/dV; `heads`: the heads of the list, query heads or key/value heads; tests/test_work_list.py
-// checks it on the host). Dense calls: decode_paired_work's list of whole heads (consecutive items
-// share a head's keys in L2). Packed calls: entry `item` of the list that build_work_list wrote
-// for this launch (work_list.cuh): only the blocks that hold rows of their sequence, each head's
-// blocks together, the sequences with the most key tiles first (paired: heavy with light).
+// checks it on the host), with the sequence's rows (Seq). Dense calls: decode_paired_work's list
+// of whole heads (consecutive items share a head's keys in L2). Packed calls: entry `item` of the
+// list that build_work_list wrote for this launch (work_list.cuh): only the blocks that hold rows
+// of their sequence, each head's blocks together, the sequences with the most key tiles first
+// (paired: heavy with light). An entry is two int4, (sequence, head, block, 0) and the sequence's
+// (first query row, query rows, first key, keys) as Seq::of clamps them, so that an item costs
+// one round trip to memory (two dependent ones when the rows came from cu_seqlens).
+template <bool PACKED>
+struct WorkItem {
+  BlockCoords c;
+  Seq<PACKED> seq;
+};
+
+__host__ __device__ __forceinline__ const int4* work_entry(const Params& p, i64 item) {
+  return p.work_list + 2 * (p.list_base + 1 + item);  // the header is entry 0
+}
+
 template <bool PACKED>
 __host__ __device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item,
                                                                    int heads) {
   if constexpr (!PACKED) {
     return decode_paired_work(item, heads, p.num_blocks);
   } else {
-    const int4 entry = p.work_list[p.list_base + 1 + item];
+    const int4 entry = work_entry(p, item)[0];
     return BlockCoords{entry.x, entry.y, entry.z};
   }
+}
+
+template <bool PACKED>
+__device__ __forceinline__ WorkItem<PACKED> work_item(const Params& p, i64 item, int heads) {
+  WorkItem<PACKED> w;
+  if constexpr (!PACKED) {
+    w.c = decode_paired_work(item, heads, p.num_blocks);
+    w.seq = Seq<false>::of(p, w.c.batch);
+  } else {
+    // field by field: a caller's unused fields are then never loaded (whole int4 loads cost
+    // the packed dK/dV's epilogue the registers it spilled 12 bytes for)
+    const int4* entry = work_entry(p, item);
+    w.c = BlockCoords{entry[0].x, entry[0].y, entry[0].z};
+    w.seq.batch = entry[0].x;
+    w.seq.q0 = entry[1].x;
+    w.seq.ext.packed_nq = entry[1].y;
+    w.seq.k0 = entry[1].z;
+    w.seq.ext.packed_nk = entry[1].w;
+  }
+  return w;
 }
 
 // The items of a persistent kernel's list: the launch's count (dense), or the count that
 // build_work_list wrote in the packed list's header.
 template <bool PACKED>
 __device__ __forceinline__ i64 work_count(const Params& p) {
-  if constexpr (PACKED) return p.work_list[p.list_base].x;
+  if constexpr (PACKED) return p.work_list[2 * p.list_base].x;
   else return p.num_work;
 }
 

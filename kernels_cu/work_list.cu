@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(LIST_THREADS)
   __shared__ unsigned long long bucket_items[LIST_COST_BUCKETS];  // then each bucket's next item
   __shared__ unsigned long long warp_sums[LIST_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int4* list = p.work_list + p.list_base;
+  int4* list = p.work_list + 2 * p.list_base;  // entries of two int4 (params.cuh, work_item)
   const i64 capacity = p.num_work, heads = p.list_heads;
 
   bucket_items[tid] = 0;
@@ -62,29 +62,39 @@ __global__ void __launch_bounds__(LIST_THREADS)
     const unsigned long long entries = total * static_cast<unsigned long long>(heads);
     list[0] = make_int4(static_cast<int>(min(entries, static_cast<unsigned long long>(capacity))),
                         0, 0, 0);
+    list[1] = make_int4(0, 0, 0, 0);
   }
   __syncthreads();
 
   // Each lane claims a sequence's run; then the warp writes the 32 sequences' entries in turn
-  // (item e of a sequence's run: head e / items, its item e % items).
+  // (item e of a sequence's run: head e / items, its item e % items), each with the sequence's
+  // rows as Seq::of clamps them.
   for (int base = warp * 32; base < p.batch; base += LIST_THREADS) {
     const int b = base + lane;
     SequenceItems s{0, 0};
     unsigned long long first = 0;
+    int4 rows = make_int4(0, 0, 0, 0);  // first query row, query rows, first key, keys
     if (b < p.batch) {
       s = SequenceItems::of(p, b);
       first = atomicAdd(&bucket_items[s.bucket], static_cast<unsigned long long>(s.items));
+      rows.x = Seq<true>::span(p.cu_seqlens_q, b, p.total_q, p.seq_q, rows.y);
+      rows.z = Seq<true>::span(p.cu_seqlens_k, b, p.total_k, p.seq_k, rows.w);
     }
     for (int j = 0; j < 32 && base + j < p.batch; ++j) {
       SequenceItems sj;
       sj.items = __shfl_sync(0xffffffffu, s.items, j);
       sj.bucket = 0;
       const unsigned long long first_j = __shfl_sync(0xffffffffu, first, j);
+      const int4 rows_j = make_int4(
+          __shfl_sync(0xffffffffu, rows.x, j), __shfl_sync(0xffffffffu, rows.y, j),
+          __shfl_sync(0xffffffffu, rows.z, j), __shfl_sync(0xffffffffu, rows.w, j));
       const i64 run = heads * sj.items, start = static_cast<i64>(first_j) * heads;
       for (i64 e = lane; e < run && start + e < capacity; e += 32) {
         const int head = static_cast<int>(e / sj.items);
         const int i = static_cast<int>(e - static_cast<i64>(head) * sj.items);
-        list[1 + start + e] = make_int4(base + j, head, sj.block(p, i), 0);
+        int4* entry = list + 2 * (1 + start + e);
+        entry[0] = make_int4(base + j, head, sj.block(p, i), 0);
+        entry[1] = rows_j;
       }
     }
   }

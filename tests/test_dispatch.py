@@ -196,7 +196,7 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     )
     assert dict(pair.aligned.sizes) == {"list_base": 0}
     assert pair.unaligned.builder is None
-    assert _dispatch.work_list_bytes(p, "forward") == 16 * (1 + 8 * (79 + 10))
+    assert _dispatch.work_list_bytes(p, "forward") == 32 * (1 + 8 * (79 + 10))
     alibi = replace(p, alibi=True)
     assert _dispatch.forward(alibi, strides, "sm_90a", 132).aligned.spec.rows_per_block == 128
     launches = _dispatch.backward(p, strides, "sm_90a", 132)
@@ -211,7 +211,7 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     # the workspace: dK/dV's list (its bound), then dQ's
     assert dict(dkdv.sizes) == {"list_base": 0}
     assert dict(dq.sizes) == {"list_base": 1 + 2 * (110 + 10)}
-    assert _dispatch.work_list_bytes(p, "backward") == 16 * (1 + 2 * 120 + 1 + 8 * 89)
+    assert _dispatch.work_list_bytes(p, "backward") == 32 * (1 + 2 * 120 + 1 + 8 * 89)
     assert dict(dq.maps) == {"q": 64, "k": 64, "v": 64, "dout": 64}
     assert launches.dq.unaligned.spec.path != "tma"
     # not causal: the block counts as they come, taken one at a time

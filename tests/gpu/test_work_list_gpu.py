@@ -1,7 +1,8 @@
 """build_work_list on the GPU (kernels_cu/work_list.cu): the list that a packed launch of a
 persistent kernel walks holds each sequence's real blocks of every head exactly once, each head's
-blocks together, the costliest sequences first, pairs whole, and a header with their count; the
-backward's two lists share one workspace without touching each other. (That every row is then
+blocks together, the costliest sequences first, pairs whole, each with its sequence's rows, and a
+header with their count; the backward's two lists share one workspace without touching each
+other. (That every row is then
 computed, and right, is test_varlen_gpu.py's: its outputs start as NaN.)"""
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def test_the_lists_hold_every_real_block_once_costliest_first(causal, head_dim):
         for family in group:
             _build(p, launches[family].builder, (cu_q.data.ptr, cu_k.data.ptr, workspace.data.ptr))
         cupy.cuda.get_current_stream().synchronize()
-        entries = workspace.get().reshape(-1, 4)
+        entries = workspace.get().reshape(-1, 8)  # two int4 an entry (params.cuh, work_item)
         for family in group:
             launch = launches[family]
             fields = launch.builder.params_fields()
@@ -111,6 +112,12 @@ def test_the_lists_hold_every_real_block_once_costliest_first(causal, head_dim):
             assert count == sum(len(r) for _, r in runs) <= launch.num_work, family
             listed = entries[base + 1 : base + 1 + count]
             assert (listed[:, 3] == 0).all()
+            # the second half: the sequence's (first query row, rows, first key, keys)
+            seq = listed[:, 0]
+            np.testing.assert_array_equal(listed[:, 4], offsets_q[seq])
+            np.testing.assert_array_equal(listed[:, 5], offsets_q[seq + 1] - offsets_q[seq])
+            np.testing.assert_array_equal(listed[:, 6], offsets_k[seq])
+            np.testing.assert_array_equal(listed[:, 7], offsets_k[seq + 1] - offsets_k[seq])
             # each sequence's run: together, in its own order; the runs by cost, highest first
             position, last_bucket = 0, 1 << 30
             order = {}
@@ -148,7 +155,7 @@ def test_offsets_that_claim_more_than_the_capacity_stop_at_it():
     workspace = cupy.full(words, -7, dtype=cupy.int32)
     _build(p, dkdv.builder, (offsets.data.ptr, offsets.data.ptr, workspace.data.ptr))
     cupy.cuda.get_current_stream().synchronize()
-    entries = workspace.get().reshape(-1, 4)
+    entries = workspace.get().reshape(-1, 8)
     assert entries[0, 0] == dkdv.num_work
     assert (entries[1 : 1 + dkdv.num_work, 0] >= 0).all()
     assert (entries[1 + dkdv.num_work :, :] == -7).all()  # the rest, dQ's list included
