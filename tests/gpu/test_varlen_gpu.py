@@ -516,6 +516,50 @@ def test_backward_is_bitwise_deterministic(dtype, head_dim):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_cuda_graph_replays_with_new_offsets(head_dim):
+    """max_seqlen given, a packed forward and backward captured in a CUDA graph (no host copy,
+    the work lists built on the GPU from the offsets) replay with other offsets and inputs in the
+    same buffers: each replay gives the bits of eager calls on those offsets."""
+    batches = ((300, 0, 1000, 77, 1), (600, 500, 1, 276, 1), (1378, 0, 0, 0, 0))
+    total, heads, longest = 1378, 4, 1400
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, device=DEVICE).to(torch.bfloat16)
+
+    q, do = rand(total, heads, head_dim), rand(total, heads, head_dim)
+    k, v = rand(total, 2, head_dim), rand(total, 2, head_dim)
+    cu = torch.zeros(len(batches[0]) + 1, dtype=torch.int32, device=DEVICE)
+    options = dict(causal=True, max_seqlen_q=longest, max_seqlen_k=longest)
+
+    def step():
+        o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, **options)
+        return (o, lse, *cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu, cu, **options))
+
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    cu.copy_(offsets(batches[0]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # plans and kernels ready before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for lengths in batches:
+        cu.copy_(offsets(lengths))
+        for x in (q, k, v, do):
+            x.copy_(torch.randn(x.shape, generator=gen, device=DEVICE).to(torch.bfloat16))
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), captured, eager, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (lengths, name)
+
+
 # ---------------------------------------------------------------------------------------------
 # (c), (d) Malformed offsets: on trust (max_seqlen given) and checked
 
