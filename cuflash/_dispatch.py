@@ -124,10 +124,10 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
 
 
 # The work lists of packed calls on the persistent kernels (kernels_cu/work_list.cuh): a header and
-# an entry per item, 32 bytes each (kernels_cu/params.cuh, work_item), in a workspace that the plan allocates per call: the
-# forward's list, or the backward's two (dK/dV's, then dQ's). Its size depends on the problem
-# alone (cuflash.jax declares it when tracing), so it is bounded with the smallest block of any
-# persistent kernel; each list's capacity uses its kernel's own blocks.
+# an entry per item, 32 bytes each (kernels_cu/params.cuh, work_item), in a workspace that the
+# plan allocates per call: the forward's list, or the backward's two (dK/dV's, then dQ's). Its
+# size depends on the problem alone (cuflash.jax declares it when tracing), so it is bounded with
+# the smallest block of any persistent kernel; each list's capacity uses its kernel's own blocks.
 WORK_LIST_ENTRY_BYTES = 32
 _LIST_BOUND_ROWS = 64
 _LIST_KEYS, _LIST_END_ALIGNED = 1, 2  # work_list.cuh, list_flags
@@ -305,27 +305,37 @@ def _persistent_launch(
     writes before the launch (kernels_cu/work_list.cuh): its capacity sets the grid, the count it
     writes ends the walk."""
     heavy_last = p.mask.bounded_right
-    if not p.packed:
-        work = blocks * p.batch * heads
-        return Launch(
-            spec,
-            _persistent_grid(work, heavy_last, sm_count),
-            blocks,
-            vec=True,
-            num_work=work,
-            paired=heavy_last,
-            row_shift=row_shift,
-            maps=maps,
-        )
-    # end-aligned forward slots are even already; the list pairs a sequence's own blocks
-    blocks += blocks & 1 if heavy_last else 0
+    work, sizes, builder = blocks * p.batch * heads, (), None
+    if p.packed:
+        # end-aligned forward slots are even already; the list pairs a sequence's own blocks
+        blocks += blocks & 1 if heavy_last else 0
+        work, builder = _work_list_builder(p, spec, heads, blocks, family)
+        sizes = (("list_base", _list_bases(p)[family]),)
+    return Launch(
+        spec,
+        _persistent_grid(work, heavy_last, sm_count),
+        blocks,
+        vec=True,
+        num_work=work,
+        paired=heavy_last,
+        row_shift=row_shift,
+        maps=maps,
+        sizes=sizes,
+        builder=builder,
+    )
+
+
+def _work_list_builder(
+    p: Problem, spec: _kernels.KernelSpec, heads: int, blocks: int, family: str
+) -> tuple[int, Launch]:
+    """(capacity, the build_work_list launch) of a packed launch of `family` on `spec`."""
+    heavy_last = p.mask.bounded_right
     keys = family == "dkdv"
     capacity = _list_capacity(p, heads, p.total_k if keys else p.total_q, spec.rows_per_block)
     capacity -= capacity & 1  # pairs stay whole
     flags = (_LIST_KEYS if keys else 0) | (
         _LIST_END_ALIGNED if family == "forward" and heavy_last else 0
     )
-    base = (("list_base", _list_bases(p)[family]),)
     builder = Launch(
         _kernels.work_list_instance(),
         1,
@@ -337,21 +347,10 @@ def _persistent_launch(
             ("list_cost_rows", spec.rows_per_step),
             ("list_heads", heads),
             ("list_flags", flags),
-            *base,
+            ("list_base", _list_bases(p)[family]),
         ),
     )
-    return Launch(
-        spec,
-        _persistent_grid(capacity, heavy_last, sm_count),
-        blocks,
-        vec=True,
-        num_work=capacity,
-        paired=heavy_last,
-        row_shift=row_shift,
-        maps=maps,
-        sizes=base,
-        builder=builder,
-    )
+    return capacity, builder
 
 
 def _persistent_grid(work: int, paired: bool, sm_count: int) -> int:
