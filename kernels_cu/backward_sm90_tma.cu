@@ -23,12 +23,14 @@
 // recomputed there (repair.cuh).
 //
 // Packed sequences (PACKED), as in forward_sm90_tma.cu: the maps cover the packed tensors, an
-// item's rows are its sequence's (Seq, params.cuh), blocks past a sequence's rows are empty, and
-// the work list rotates each head's blocks (decode_sequence_work). Boxes that reach past the
-// sequence read the next one's rows: its keys are masked (the tile at the end of the keys is a
-// masked one), its query rows have lse +inf (P = 0) and are never written, and the dK/dV kernel's
-// query tile at the end of the rows is a masked one too (Mask::query_tiles<false>), so that a NaN
-// or Inf there, which P = 0 spreads into dK and dV, sets off the repair of the keys it reached.
+// item's rows are its sequence's (Seq, params.cuh), and the work list, which build_work_list
+// writes before the launch, holds only the blocks each sequence has (work_item, work_list.cuh;
+// a causal list's filler block lies past its sequence's rows and is skipped). Boxes that reach
+// past the sequence read the next one's rows: its keys are masked (the tile at the end of the
+// keys is a masked one), its query rows have lse +inf (P = 0) and are never written, and the
+// dK/dV kernel's query tile at the end of the rows is a masked one too
+// (Mask::query_tiles<false>), so that a NaN or Inf there, which P = 0 spreads into dK and dV,
+// sets off the repair of the keys it reached.
 #include "common.cuh"
 #include "mma.cuh"
 #include "params.cuh"

@@ -5,7 +5,8 @@
 // and forward_sm90.cu elsewhere (cuflash/_dispatch.py).
 //
 // Persistent: a block per SM walks its share of the work list (query tile, head, batch;
-// decode_paired_work's order, in pairs where the host asks: causal work). Warpgroup 0 is the
+// decode_paired_work's order, in pairs where the host asks: causal work; packed calls: the list
+// that build_work_list writes before the launch, work_list.cuh). Warpgroup 0 is the
 // producer: it gives back its registers and one thread issues the TMA copies of Q (two buffers at
 // HD <= 128, one at 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full"
 // barrier, in the order the consumers use them (K_0, then K_{j+1} before V_j).
@@ -40,10 +41,11 @@
 //
 // Packed sequences (PACKED): the maps cover the packed tensors, and a slot's rows are its
 // sequence's (Seq, params.cuh): slots count from the sequence's first row, or end at its last
-// where the host pairs the work (causal), and slots past its rows are empty. Tiles that reach
-// past the sequence read the next one's rows: its keys are masked (a select), its query rows are
-// never written, and a NaN or Inf among its values, which a masked tile's P = 0 would spread, sets
-// off the repair of the rows that met it (the end of the keys makes that tile a masked one).
+// where the host pairs the work (causal); the work list holds only the slots with its rows (a
+// causal list's filler slot lies before them and is skipped). Tiles that reach past the
+// sequence read the next one's rows: its keys are masked (a select), its query rows are never
+// written, and a NaN or Inf among its values, which a masked tile's P = 0 would spread, sets off
+// the repair of the rows that met it (the end of the keys makes that tile a masked one).
 #include "common.cuh"
 #include "mma.cuh"
 #include "params.cuh"
