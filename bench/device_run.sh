@@ -138,7 +138,7 @@ if has jax; then
 fi
 
 if has varlen; then
-  timeout ${VARLEN_TIMEOUT:-240} $PY bench/bench_varlen.py ${VARLEN_ARGS:-} --out "$OUT/varlen" \
+  timeout ${VARLEN_TIMEOUT:-400} $PY bench/bench_varlen.py ${VARLEN_ARGS:-} --out "$OUT/varlen" \
     > "$LOGS/varlen.log" 2>"$LOGS/varlen.err"
   say "bench_varlen exit $?"
   tail -30 "$LOGS/varlen.log" >> "$SUMMARY"
