@@ -32,7 +32,8 @@ BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv"
 
 
 # Packed calls also pass the offsets of their sequences, after the tensors (and the slopes), then
-# their work lists' workspace (_dispatch.work_list_bytes; 0 where no launch of the plan uses one).
+# their work lists' workspace (_dispatch.work_list_bytes, sized from the problem alone: every
+# packed call has one; launches without a list, off Hopper or unaligned, leave it unread).
 PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "work_list")
 
 
