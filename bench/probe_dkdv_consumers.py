@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuflash import _cuda, _validate, testing  # noqa: E402
+from cuflash import testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
 
@@ -37,7 +37,8 @@ def timed(fn, reps: int = 20) -> float:
 
 
 def packed_plan(choice, do, q, k, v, o, lse, cu, longest, causal):
-    problem, infos, _ = _validate.check_varlen_backward(
+    *_, plan = testing.attention_varlen_backward_with(
+        choice,
         do,
         q,
         k,
@@ -46,15 +47,11 @@ def packed_plan(choice, do, q, k, v, o, lse, cu, longest, causal):
         lse,
         cu,
         cu,
-        None,
+        causal=causal,
         max_seqlen_q=longest,
         max_seqlen_k=longest,
-        check_seqlens=False,
-        **_validate.varlen_option_kwargs(causal, None, None, None),
     )
-    doi, qi, ki, vi, oi, lsei, _, cqi, cki = infos
-    plan = _cuda.BackwardPlan(problem, doi, qi, ki, vi, oi, lsei, choice)
-    pointers = [i.ptr for i in (doi, qi, ki, vi, oi, lsei, cqi, cki)]
+    pointers = [x.data_ptr() for x in (do, q, k, v, o, lse, cu, cu)]
     return lambda: plan(*pointers)
 
 

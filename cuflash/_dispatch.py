@@ -309,8 +309,8 @@ def _persistent_launch(
     if p.packed:
         # end-aligned forward slots are even already; the list pairs a sequence's own blocks
         blocks += blocks & 1 if heavy_last else 0
-        work, builder = _work_list_builder(p, spec, heads, blocks, family)
         sizes = (("list_base", _list_bases(p)[family]),)
+        work, builder = _work_list_builder(p, spec, heads, blocks, family, sizes)
     return Launch(
         spec,
         _persistent_grid(work, heavy_last, sm_count),
@@ -326,9 +326,10 @@ def _persistent_launch(
 
 
 def _work_list_builder(
-    p: Problem, spec: _kernels.KernelSpec, heads: int, blocks: int, family: str
+    p: Problem, spec: _kernels.KernelSpec, heads: int, blocks: int, family: str, base: tuple
 ) -> tuple[int, Launch]:
-    """(capacity, the build_work_list launch) of a packed launch of `family` on `spec`."""
+    """(capacity, the build_work_list launch) of a packed launch of `family` on `spec`, whose
+    list starts at `base` (its list_base field)."""
     heavy_last = p.mask.bounded_right
     keys = family == "dkdv"
     capacity = _list_capacity(p, heads, p.total_k if keys else p.total_q, spec.rows_per_block)
@@ -347,7 +348,7 @@ def _work_list_builder(
             ("list_cost_rows", spec.rows_per_step),
             ("list_heads", heads),
             ("list_flags", flags),
-            ("list_base", _list_bases(p)[family]),
+            *base,
         ),
     )
     return capacity, builder

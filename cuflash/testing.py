@@ -255,21 +255,17 @@ def attention_forward_with(
     return (*plan(*pointers), plan)
 
 
-def attention_varlen_forward_with(
-    choice: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
-) -> tuple:
-    """(o, lse, plan): as attention_forward_with, for cuflash.attention_varlen_forward (options:
-    its keywords)."""
-    from . import _cuda, _validate, api
+def _check_varlen(check: Any, arrays: tuple, options: dict) -> tuple:
+    """check(*arrays, slopes, ...) (_validate.check_varlen_forward or _backward) on the public
+    API's keywords (`options`: alibi_slopes, max_seqlen_q/k, check_seqlens, causal, window,
+    softcap, scale)."""
+    from . import _validate
 
+    options = dict(options)
     slopes = options.pop("alibi_slopes", None)
     seqlens = {name: options.pop(name, None) for name in ("max_seqlen_q", "max_seqlen_k")}
-    problem, infos, _ = _validate.check_varlen_forward(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
+    return check(
+        *arrays,
         slopes,
         check_seqlens=options.pop("check_seqlens", False),
         **seqlens,
@@ -280,6 +276,17 @@ def attention_varlen_forward_with(
             options.get("scale"),
         ),
     )
+
+
+def attention_varlen_forward_with(
+    choice: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any
+) -> tuple:
+    """(o, lse, plan): as attention_forward_with, for cuflash.attention_varlen_forward (options:
+    its keywords)."""
+    from . import _cuda, _validate, api
+
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    problem, infos, _ = _check_varlen(_validate.check_varlen_forward, arrays, options)
     qi, ki, vi, alibi, cqi, cki = infos
     plan = _cuda.ForwardPlan(problem, qi, ki, vi, choice, api.poison_outputs(), alibi)
     return (*plan(*(i.ptr for i in (qi, ki, vi, alibi, cqi, cki) if i is not None)), plan)
@@ -302,3 +309,29 @@ def attention_backward_with(
     problem, *infos = _validate.check_backward(do, q, k, v, o, lse, alibi_slopes, **options)
     plan = _cuda.BackwardPlan(problem, *infos[:6], choice, api.poison_outputs(), infos[6])
     return (*plan(*(info.ptr for info in infos if info is not None)), plan)
+
+
+def attention_varlen_backward_with(
+    choice: Any,
+    do: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    **options: Any,
+) -> tuple:
+    """(dq, dk, dv, plan): as attention_backward_with, for cuflash.attention_varlen_backward
+    (options: its keywords)."""
+    from . import _cuda, _validate, api
+
+    arrays = (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    problem, infos, _ = _check_varlen(_validate.check_varlen_backward, arrays, options)
+    doi, qi, ki, vi, oi, lsei, alibi, cqi, cki = infos
+    plan = _cuda.BackwardPlan(
+        problem, doi, qi, ki, vi, oi, lsei, choice, api.poison_outputs(), alibi
+    )
+    pointers = (doi, qi, ki, vi, oi, lsei, alibi, cqi, cki)
+    return (*plan(*(i.ptr for i in pointers if i is not None)), plan)

@@ -375,7 +375,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     };
     auto coords = [&]() {  // (batch, key/value head) of the item
       if constexpr (PACKED) return BlockCoords{bar.item[buf].batch, bar.item[buf].head, 0};
-      else return decode_sequence_work<PACKED>(p, item, p.heads_kv);
+      else return decode_paired_work(item, p.heads_kv, p.num_blocks);
     };
     for (int s = 0; s < num_steps; ++s, ++pipe) {
       const int stage = pipe % STAGES;

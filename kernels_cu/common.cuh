@@ -123,7 +123,7 @@ __host__ __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int
 // The first item of this block's step `step` (0, 1, 2, ...) and whether the walk is over. Paired:
 // items 2 i, 2 i + 1 of each round of 2 G (G = gridDim.x); else item i of each round of G. A step
 // may give an item >= num_work (skip it); the walk ends at the first round past the list.
-// SNAKE (packed lists, whose items get cheaper along the list: params.cuh, decode_sequence_work):
+// SNAKE (packed lists, whose items get cheaper along the list: work_list.cuh):
 // odd rounds go the other way (block b takes position G - 1 - b), so that no block takes the
 // heaviest item of every round; simulated on long-tailed batches, the busiest block's work fell
 // from 1.02-1.05x the mean to 1.005-1.02x (docs/perf/NOTES.md, v19).

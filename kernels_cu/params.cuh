@@ -155,8 +155,8 @@ struct Seq {
 };
 
 // Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
-// dK/dV; `heads`: the heads of the list, query heads or key/value heads; tests/test_work_list.py
-// checks it on the host), with the sequence's rows (Seq). Dense calls: decode_paired_work's list
+// dK/dV; `heads`: the heads of the list, query heads or key/value heads), with the sequence's
+// rows (Seq). Dense calls: decode_paired_work's list
 // of whole heads (consecutive items share a head's keys in L2). Packed calls: entry `item` of the
 // list that build_work_list wrote for this launch (work_list.cuh): only the blocks that hold rows
 // of their sequence, each head's blocks together, the sequences with the most key tiles first
@@ -171,17 +171,6 @@ struct WorkItem {
 
 __host__ __device__ __forceinline__ const int4* work_entry(const Params& p, i64 item) {
   return p.work_list + 2 * (p.list_base + 1 + item);  // the header is entry 0
-}
-
-template <bool PACKED>
-__host__ __device__ __forceinline__ BlockCoords decode_sequence_work(const Params& p, i64 item,
-                                                                   int heads) {
-  if constexpr (!PACKED) {
-    return decode_paired_work(item, heads, p.num_blocks);
-  } else {
-    const int4 entry = work_entry(p, item)[0];
-    return BlockCoords{entry.x, entry.y, entry.z};
-  }
 }
 
 template <bool PACKED>

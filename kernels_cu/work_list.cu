@@ -71,23 +71,19 @@ __global__ void __launch_bounds__(LIST_THREADS)
   // rows as Seq::of clamps them.
   for (int base = warp * 32; base < p.batch; base += LIST_THREADS) {
     const int b = base + lane;
-    SequenceItems s{0, 0};
+    SequenceItems s{0, 0, 0, 0, 0, 0};
     unsigned long long first = 0;
-    int4 rows = make_int4(0, 0, 0, 0);  // first query row, query rows, first key, keys
     if (b < p.batch) {
       s = SequenceItems::of(p, b);
       first = atomicAdd(&bucket_items[s.bucket], static_cast<unsigned long long>(s.items));
-      rows.x = Seq<true>::span(p.cu_seqlens_q, b, p.total_q, p.seq_q, rows.y);
-      rows.z = Seq<true>::span(p.cu_seqlens_k, b, p.total_k, p.seq_k, rows.w);
     }
     for (int j = 0; j < 32 && base + j < p.batch; ++j) {
       SequenceItems sj;
       sj.items = __shfl_sync(0xffffffffu, s.items, j);
-      sj.bucket = 0;
       const unsigned long long first_j = __shfl_sync(0xffffffffu, first, j);
       const int4 rows_j = make_int4(
-          __shfl_sync(0xffffffffu, rows.x, j), __shfl_sync(0xffffffffu, rows.y, j),
-          __shfl_sync(0xffffffffu, rows.z, j), __shfl_sync(0xffffffffu, rows.w, j));
+          __shfl_sync(0xffffffffu, s.q0, j), __shfl_sync(0xffffffffu, s.nq, j),
+          __shfl_sync(0xffffffffu, s.k0, j), __shfl_sync(0xffffffffu, s.nk, j));
       const i64 run = heads * sj.items, start = static_cast<i64>(first_j) * heads;
       for (i64 e = lane; e < run && start + e < capacity; e += 32) {
         const int head = static_cast<int>(e / sj.items);

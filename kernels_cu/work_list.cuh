@@ -1,6 +1,6 @@
 // work_list.cuh: the work list of a packed call on the persistent (TMA) kernels, one item per
 // block of rows that a sequence has, built on the device from cu_seqlens before the kernel runs
-// (work_list.cu) and read by decode_sequence_work (params.cuh).
+// (work_list.cu) and read by work_item (params.cuh).
 //
 // Why a list built per call: a list of every (sequence, head, slot) up to the longest sequence's
 // blocks is mostly empty on a long-tailed batch (46 sequences of 64..8192 rows: 47,104 slots for
@@ -24,17 +24,18 @@ constexpr int LIST_END_ALIGNED = 2;  // blocks end at the sequence's last row (t
 constexpr int LIST_COST_BUCKETS = 1024;
 
 // What one sequence contributes to the list of a launch: `items` per head (its blocks; paired,
-// an even count, the first of an odd one empty) and its cost bucket.
+// an even count, the first of an odd one empty), its cost bucket, and its rows as Seq::of clamps
+// them (first query row, query rows, first key, keys), which each of its entries carries.
 struct SequenceItems {
   int items, bucket;
+  int q0, nq, k0, nk;
 
   static __host__ __device__ __forceinline__ SequenceItems of(const Params& p, int b) {
-    int nq, nk;
-    Seq<true>::span(p.cu_seqlens_q, b, p.total_q, p.seq_q, nq);
-    Seq<true>::span(p.cu_seqlens_k, b, p.total_k, p.seq_k, nk);
-    const bool keys = (p.list_flags & LIST_KEYS) != 0;
-    const int rows = keys ? nk : nq, streamed = keys ? nq : nk;
     SequenceItems s;
+    s.q0 = Seq<true>::span(p.cu_seqlens_q, b, p.total_q, p.seq_q, s.nq);
+    s.k0 = Seq<true>::span(p.cu_seqlens_k, b, p.total_k, p.seq_k, s.nk);
+    const bool keys = (p.list_flags & LIST_KEYS) != 0;
+    const int rows = keys ? s.nk : s.nq, streamed = keys ? s.nq : s.nk;
     s.items = ceil_div(rows, p.list_rows);
     if (p.paired) s.items += s.items & 1;
     s.bucket = min(ceil_div(streamed, p.list_cost_rows), LIST_COST_BUCKETS - 1);

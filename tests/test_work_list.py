@@ -22,7 +22,7 @@ int main() {
     p.paired = paired;
     const long long work = 1LL * batch * heads * blocks;
     for (long long item = 0; item < work; ++item) {
-      const cuflash::BlockCoords c = cuflash::decode_sequence_work<false>(p, item, heads);
+      const cuflash::BlockCoords c = cuflash::decode_paired_work(item, heads, p.num_blocks);
       std::printf("%d %d %d\n", c.batch, c.head, c.block);
     }
   }
