@@ -14,6 +14,7 @@ rounds of each round's median of back-to-back calls (bench_attention.time_ms).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -48,13 +49,16 @@ MODS = [(64, {"softcap": 30.0}, []), (128, {"softcap": 30.0}, LOOPS), (128, {"al
 
 
 def row(label: str, methods: dict, flops: float, rounds: int) -> str:
-    """The table's line: TFLOP/s of each method, timed in `rounds` interleaved rounds; each round
-    starts one method later than the last, so that no method always runs first or after the same
-    one."""
+    """The table's line: TFLOP/s of each method, timed in `rounds` interleaved rounds, each in its
+    own random order (seeded), so that no method always runs first or after the same one.
+    (Rotating one order kept its cyclic neighbours: the first column always ran right after the
+    last, SDPA cuDNN, and read 0-7% low: the "API under explicit" gap of docs/perf/NOTES.md v18,
+    explained in v20.)"""
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order = random.Random(label)
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
             times[name].append(time_ms(methods[name], warmup=2, min_reps=5, min_time_ms=20.0))
     result = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
     line = f"{label:28s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items())
