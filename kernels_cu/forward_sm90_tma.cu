@@ -217,10 +217,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * 128), map, &full[stage], 64 * c,
                       seq.k_coord(n0), kv_head, seq.map_batch());
       };
-      // The loads in the order the consumers use them: K_0, then K_{it + 1} before V_it (they
-      // compute S_{it + 1} = Q K_{it + 1}^T before P_it V_it). With one Q buffer it frees up only
-      // when the consumers have computed the previous item's last S, when K_0's stage has freed
-      // up too: load K_0 first, so that it is under way when the item starts.
+      // The loads in the order the consumers use them: pipelined (Tr::OVERLAP), K_0, then
+      // K_{it + 1} before V_it (they compute S_{it + 1} = Q K_{it + 1}^T before P_it V_it); the
+      // serial loop takes K_it, V_it, K_{it + 1}. (The pipelined order under the serial loop
+      // held d = 64 from 4k, its one user, at 0.95-0.98x v17: docs/perf/NOTES.md, v20.) With one
+      // Q buffer it frees up only when the consumers have computed the previous item's last S,
+      // when K_0's stage has freed up too: load K_0 first, so that it is under way when the item
+      // starts.
       const int count = tiles.count();
       const int first_k = Q_BUFS == 1 && count > 0 ? 1 : 0;
       if (first_k) load(0, sK, &maps.k, bar.k_full, bar.k_empty);
@@ -230,9 +233,16 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
         tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c,
                     seq.q_coord(m0), bc.head, seq.map_batch());
-      for (int it = first_k; it <= count; ++it) {
-        if (it < count) load(it, sK, &maps.k, bar.k_full, bar.k_empty);
-        if (it > 0) load(it - 1, sV, &maps.v, bar.v_full, bar.v_empty);
+      if constexpr (Tr::OVERLAP) {
+        for (int it = first_k; it <= count; ++it) {
+          if (it < count) load(it, sK, &maps.k, bar.k_full, bar.k_empty);
+          if (it > 0) load(it - 1, sV, &maps.v, bar.v_full, bar.v_empty);
+        }
+      } else {
+        for (int it = 0; it < count; ++it) {
+          if (it >= first_k) load(it, sK, &maps.k, bar.k_full, bar.k_empty);
+          load(it, sV, &maps.v, bar.v_full, bar.v_empty);
+        }
       }
       pipe += count;
     }
