@@ -120,7 +120,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def sdpa_time(q, k, v, backend) -> float | None:
+def sdpa_time(q, k, v, backend, rounds: int = 5) -> float | None:
     from torch.nn.attention import sdpa_kernel
 
     def call():
@@ -130,7 +130,7 @@ def sdpa_time(q, k, v, backend) -> float | None:
     try:
         call()
         torch.cuda.synchronize()
-        return graph_time(call)
+        return graph_time(call, rounds=rounds)
     except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported as such
         print(f"  SDPA {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
         return None

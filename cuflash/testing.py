@@ -287,9 +287,9 @@ def attention_varlen_forward_with(
 
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     problem, infos, _ = _check_varlen(_validate.check_varlen_forward, arrays, options)
-    qi, ki, vi, alibi, cqi, cki = infos
+    qi, ki, vi, alibi = infos[:4]
     plan = _cuda.ForwardPlan(problem, qi, ki, vi, choice, api.poison_outputs(), alibi)
-    return (*plan(*(i.ptr for i in (qi, ki, vi, alibi, cqi, cki) if i is not None)), plan)
+    return (*plan(*(i.ptr for i in infos if i is not None)), plan)
 
 
 def attention_backward_with(
@@ -329,9 +329,5 @@ def attention_varlen_backward_with(
 
     arrays = (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     problem, infos, _ = _check_varlen(_validate.check_varlen_backward, arrays, options)
-    doi, qi, ki, vi, oi, lsei, alibi, cqi, cki = infos
-    plan = _cuda.BackwardPlan(
-        problem, doi, qi, ki, vi, oi, lsei, choice, api.poison_outputs(), alibi
-    )
-    pointers = (doi, qi, ki, vi, oi, lsei, alibi, cqi, cki)
-    return (*plan(*(i.ptr for i in pointers if i is not None)), plan)
+    plan = _cuda.BackwardPlan(problem, *infos[:6], choice, api.poison_outputs(), infos[6])
+    return (*plan(*(i.ptr for i in infos if i is not None)), plan)
