@@ -35,6 +35,9 @@ BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv"
 # their work lists' workspace (_dispatch.work_list_bytes, sized from the problem alone: every
 # packed call has one; launches without a list, off Hopper or unaligned, leave it unread).
 PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "work_list")
+# Where the fused backward fits (_dispatch.backward_workspace), the backward's launches also take
+# the pointers of its dQ sums and counters, inside D's buffer, last.
+FUSED_WORKSPACE = ("dq_accum", "dq_semaphores")
 
 
 def _with_extras(
@@ -291,6 +294,11 @@ class BackwardPlan:
             "dv": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
         }
         tensors = _with_extras(p, BACKWARD_TENSORS, strides, alibi)
+        # D's buffer is the backward's workspace: where the fused backward fits, its counters and
+        # dQ sums follow D, and their pointers follow a call's (launch)
+        self.workspace = _dispatch.backward_workspace(p)
+        if self.workspace.accum:
+            tensors = (*tensors, *FUSED_WORKSPACE)
         arch, sms = _target(self.device)
         self.preprocess, self.dkdv, self.dq = _ready(
             p,
@@ -326,7 +334,10 @@ class BackwardPlan:
         if self.work:
             # D = rowsum(dO * O). Released when this returns: the allocators of torch and CuPy
             # are stream-ordered and every kernel that reads D runs on the allocating stream.
-            delta = self.alloc(p.lse_shape, self.delta_dtype)
+            if self.workspace.accum:  # D, then the fused backward's counters and sums
+                delta = self.alloc((self.workspace.nbytes // 4,), "float32")
+            else:
+                delta = self.alloc(p.lse_shape, self.delta_dtype)
             _held, work_list = workspace(self.alloc, self.work_list_words)  # the same, packed
             pointers = (q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta.ptr, dq.ptr, dk.ptr)
             self.launch(self.stream(self.device), (*pointers, dv.ptr, *extra_ptr, *work_list))
@@ -336,9 +347,13 @@ class BackwardPlan:
     def launch(self, stream: int, pointers: tuple[int, ...]) -> None:
         """Launches the three kernels on `stream`, on the pointers of BACKWARD_TENSORS (and the
         slopes', then a packed call's offsets and a workspace of work_list_words int32 words):
-        delta, dq, dk and dv C-contiguous and owned by the caller."""
-        q, k, v, o, do, _, _, dq, dk, dv = pointers[:10]
+        delta, dq, dk and dv C-contiguous and owned by the caller; delta's buffer of
+        workspace.nbytes bytes (_dispatch.backward_workspace)."""
+        q, k, v, o, do, _, delta, dq, dk, dv = pointers[:10]
+        if self.workspace.accum:
+            ws = self.workspace
+            pointers = (*pointers, delta + ws.accum, delta + ws.semaphores)
         self.preprocess.pick(not (o | do) & 15)(stream, pointers)
-        aligned = not (q | k | v | do | dq | dk | dv) & 15
+        aligned = not (q | k | v | do | dq | dk | dv | (delta if self.workspace.accum else 0)) & 15
         self.dkdv.pick(aligned)(stream, pointers)
         self.dq.pick(aligned)(stream, pointers)

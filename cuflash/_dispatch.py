@@ -31,12 +31,15 @@ class KernelChoice:
         takes the next one. tiles: ((family, path), tiles) pairs that replace the table's tiles
         (cuflash/_kernels.py) of those instances. o_store: "registers" makes the TMA forward write
         O from registers. schedule: the TMA forward's key-tile loop (_kernels.FORWARD_SCHEDULES).
+        backward: "fused" runs the fused backward where the call allows it (fused_backward_fits,
+        and the TMA kernels), "split" the dK/dV and dQ kernels.
     """
 
     path: str | None = None
     tiles: tuple[tuple[tuple[str, str], tuple[int, ...]], ...] = ()
     o_store: str = "tma"
     schedule: str | None = None
+    backward: str | None = None  # "fused" or "split": the Hopper backward (where the TMA runs)
 
     def tiles_for(self, family: str, path: str) -> tuple[int, ...] | None:
         return dict(self.tiles).get((family, path))
@@ -160,6 +163,51 @@ def work_list_bytes(p: Problem, family: str) -> int:
     return entries * WORK_LIST_ENTRY_BYTES
 
 
+# The fused backward (kernels_cu/backward_sm90_fused.cu) keeps dQ's float32 partial sums and one
+# counter per 64-row query tile in the backward's workspace, after D.
+_FUSED_BM, _FUSED_BN = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+_WORKSPACE_ALIGN = 256
+
+
+def fused_backward_fits(p: Problem) -> bool:
+    """Whether the fused backward can serve the call, the GPU and the strides aside: dense masks
+    without bounds (every key block adds to every query tile), no softcap, a bucket it has, and
+    at most as many key blocks per head as query steps (group x query tiles: the writers' turns
+    need an item per start, backward_sm90_fused.cu)."""
+    return (
+        not p.packed
+        and p.softcap is None
+        and not p.mask.local
+        and not p.mask.bounded_right
+        and p.dtype in _kernels.TENSOR_CORE_DTYPES
+        and _kernels.head_dim_bucket(p.head_dim) in _kernels.FUSED_BACKWARD_BUCKETS
+        and p.seq_q > 0
+        and 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
+    )
+
+
+@dataclass(frozen=True)
+class BackwardWorkspace:
+    """The backward's workspace, sized from the problem alone (cuflash.jax declares it when
+    tracing): D, then, where the fused backward fits, its counters and dQ sums (byte offsets; 0:
+    none)."""
+
+    nbytes: int
+    semaphores: int = 0
+    accum: int = 0
+
+
+def backward_workspace(p: Problem) -> BackwardWorkspace:
+    delta = math.prod(p.lse_shape) * (8 if p.dtype in _kernels.EXACT_DTYPES else 4)
+    if not fused_backward_fits(p):
+        return BackwardWorkspace(delta)
+    tiles = p.batch * p.heads_q * _ceil_div(p.seq_q, _FUSED_BM)
+    semaphores = _round_up(delta, _WORKSPACE_ALIGN)
+    accum = _round_up(semaphores + 4 * tiles, _WORKSPACE_ALIGN)
+    sums = tiles * _FUSED_BM * _kernels.head_dim_bucket(p.head_dim) * 4
+    return BackwardWorkspace(accum + sums, semaphores, accum)
+
+
 def backward(
     p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT
 ) -> BackwardLaunches:
@@ -196,7 +244,21 @@ def backward(
         and "tma" in _allowed_paths(p, "dkdv", arch, choice)
         and _tma_readable(p, strides, ("q", "k", "v", "dout"))
     )
-    if tma:
+    fused = (
+        tma
+        and choice.backward != "split"
+        and fused_backward_fits(p)
+        and _kernels.fused_backward_available(p.dtype, p.head_dim, arch, features(p))
+    )
+    if fused:
+        maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
+        spec = _kernels.instance("dkdv", "fused", p.dtype, p.head_dim, None, features(p))
+        blocks = _ceil_div(p.seq_k, spec.rows_per_block)
+        dkdv = _persistent_launch(p, spec, p.heads_kv, blocks, sm_count, maps, family="dkdv")
+        post = _kernels.instance("dq", "fused", p.dtype, p.head_dim)
+        tiles = _ceil_div(p.seq_q, post.rows_per_block)
+        dq = Launch(post, p.batch * p.heads_q * tiles, tiles, vec=True)
+    elif tma:
         maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
         launches = []
         for family, heads, seq in (("dkdv", p.heads_kv, p.seq_k), ("dq", p.heads_q, p.seq_q)):
@@ -244,6 +306,10 @@ def row_slots(seq_q: int, rows_per_block: int, end_aligned: bool) -> tuple[int, 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
 
 
 def _chunk(p: Problem) -> int:

@@ -8,8 +8,9 @@ Kernel families, each with one or more paths (one ``.cu`` file each in ``kernels
   forward     O and lse          tma (Hopper, warp-specialised), wgmma (Hopper), mma (sm_80+),
                                  exact (float32 / float64)
   preprocess  D = rowsum(dO * O) rows (every dtype)
-  dkdv        dK, dV             tma, wgmma, mma, exact
-  dq          dQ                 tma, wgmma, mma, exact
+  dkdv        dK, dV             tma, wgmma, mma, exact; fused (Hopper: dK, dV and dQ's float32
+                                 partial sums in one kernel)
+  dq          dQ                 tma, wgmma, mma, exact; fused (dQ from the fused kernel's sums)
 Every instance has a FEATURES template argument: the bits of kernels_cu/features.cuh.
 """
 
@@ -62,6 +63,8 @@ _SOURCE_FILE = {
     ("forward", "tma"): "forward_sm90_tma.cu",
     ("dq", "tma"): "backward_sm90_tma.cu",
     ("dkdv", "tma"): "backward_sm90_tma.cu",
+    ("dkdv", "fused"): "backward_sm90_fused.cu",
+    ("dq", "fused"): "backward_sm90_fused.cu",
     ("dq", "wgmma"): "backward_sm90.cu",
     ("dkdv", "wgmma"): "backward_sm90.cu",
     ("dq", "mma"): "backward_dq.cu",
@@ -77,6 +80,8 @@ _TEMPLATE = {
     ("forward", "tma"): "attention_forward_tma",
     ("dq", "tma"): "attention_backward_dq_tma",
     ("dkdv", "tma"): "attention_backward_dkdv_tma",
+    ("dkdv", "fused"): "attention_backward_fused_tma",
+    ("dq", "fused"): "attention_backward_dq_from_accum",
     ("dq", "wgmma"): "attention_backward_dq_wgmma",
     ("dkdv", "wgmma"): "attention_backward_dkdv_wgmma",
     ("dq", "mma"): "attention_backward_dq_mma",
@@ -146,6 +151,14 @@ _TMA_TILES = {
     "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
+# The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN, STAGES)
+# (two consumer warpgroups of 64 keys, 64-row query tiles), the features it has (dense masks
+# without a left bound, runtime right bound unbounded: the dispatch checks) and the threads of the
+# dQ kernel that reads its sums.
+FUSED_BACKWARD_BUCKETS = (128,)
+FUSED_TILES = (64, 128, 2)
+FUSED_FEATURES = FEATURE_ALIBI
+FUSED_DQ_THREADS = 256
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
 # (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
 _TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
@@ -338,6 +351,8 @@ def instance(
             raise ValueError(f"schedule must be one of {FORWARD_SCHEDULES}, got {schedule!r}")
     elif schedule is not None:
         raise ValueError("only the TMA forward has a choice of schedule")
+    if path == "fused":
+        return _fused_instance(spec, name, family, elem, hd, features)
     if path == "tma":
         return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule)
     if o_via_tma:
@@ -405,11 +420,46 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, sche
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
 
+def fused_backward_available(dtype: str, head_dim: int, arch: str, features: int) -> bool:
+    """Whether the fused backward has an instance for these (the mask's bounds aside: the dispatch
+    checks those, cuflash/_dispatch.py)."""
+    return (
+        arch == "sm_90a"
+        and dtype in TENSOR_CORE_DTYPES
+        and head_dim_bucket(head_dim) in FUSED_BACKWARD_BUCKETS
+        and not features & ~FUSED_FEATURES
+    )
+
+
+def _fused_instance(spec, name, family, elem, hd, features) -> KernelSpec:
+    if hd not in FUSED_BACKWARD_BUCKETS or features & ~FUSED_FEATURES:
+        raise ValueError(f"no fused backward at head dim {hd} with features {features}")
+    bm, bn, stages = FUSED_TILES
+    if family == "dq":  # a block per (batch, query head, query tile); no features
+        if features:
+            raise ValueError("the fused backward's dQ kernel has no features")
+        return spec(f"{name}<{elem}, {hd}>", FUSED_DQ_THREADS, 0, bm, 0)
+    # K and V (one buffer), Q and dO per stage, the dS^T tile, the float32 staging tile of dQ,
+    # lse2 and D per stage, the barriers (8 of 8 bytes with two stages), 1 KB alignment slack
+    row_bytes = hd * 2
+    smem = (2 * bn + 2 * stages * bm) * row_bytes + bn * bm * 2 + bm * hd * 4
+    smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 1024
+    expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
+    return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)
+
+
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     """Every instance the library's dispatch can launch on `arch` (cuflash/_dispatch.py): what
     the compile check must cover."""
     specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs(arch)
     specs.add(work_list_instance())
+    for dt in TENSOR_CORE_DTYPES:
+        for hd in FUSED_BACKWARD_BUCKETS:
+            for features in (0, FUSED_FEATURES):
+                if fused_backward_available(dt, hd, arch, features):
+                    specs.add(instance("dkdv", "fused", dt, hd, None, features))
+            if fused_backward_available(dt, hd, arch, 0):  # its dQ kernel has no features
+                specs.add(instance("dq", "fused", dt, hd))
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:

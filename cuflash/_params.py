@@ -58,6 +58,8 @@ class Params(ctypes.Structure):
         ("seqused_k", _ptr),
         ("block_table", _ptr),
         ("work_list", _ptr),
+        ("dq_accum", _ptr),
+        ("dq_semaphores", _ptr),
         ("scale", _f64),
         ("softcap", _f64),
         ("batch", _i32),
@@ -127,7 +129,8 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
 
 def pointer_offset(name: str) -> int:
     """Where the pointer of `name` lies in Params: a TensorRef's ptr, or a plain pointer field
-    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, work_list)."""
+    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, work_list, dq_accum,
+    dq_semaphores)."""
     field = getattr(Params, name)
     if name in TENSORS:
         return field.offset + TensorRef.ptr.offset

@@ -379,8 +379,9 @@ def _backward_op(options: _Options) -> Any:
         if not problem.has_work:
             return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros_like(v)
         # D = rowsum(dO * O) is a workspace XLA allocates (as bytes: float64 for the exact
-        # dtypes, which JAX without x64 could not name)
-        delta_bytes = int(np.prod(problem.lse_shape)) * (4 if problem.dtype in _HALF else 8)
+        # dtypes, which JAX without x64 could not name), with the fused backward's dQ sums and
+        # counters after it where that kernel fits (_dispatch.backward_workspace)
+        delta_bytes = _dispatch.backward_workspace(problem).nbytes
         results = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -679,7 +680,7 @@ def _varlen_backward(options: _Options, longest: tuple, do, q, k, v, o, lse, cq,
     if not problem.has_work:
         grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros_like(v))
         return _vary_like(grads, arrays)
-    delta_bytes = int(np.prod(problem.lse_shape)) * (4 if problem.dtype in _HALF else 8)
+    delta_bytes = _dispatch.backward_workspace(problem).nbytes
     results = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),

@@ -6,7 +6,8 @@
 // 8 elements, so that a short row (d = 64: 8 lanes) still moves enough bytes per load to keep the
 // memory busy; otherwise element by element (lanes_per_row = 32). D is accumulated in the
 // accumulator type (float32 for 16-bit inputs, float64 for the exact path's float32 and float64)
-// and written contiguously as (B, Hq, Nq).
+// and written contiguously as (B, Hq, Nq). Before the fused backward it also zeroes that kernel's
+// counters.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -55,7 +56,13 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
         sum += ElemTraits<Elem>::to_acc(o_row[c]) * ElemTraits<Elem>::to_acc(do_row[c]);
   }
   for (int off = lanes_per_row >> 1; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (sub == 0 && row < p.rows) *head_rows<Acc>(p.delta, b, h).row(i) = sum;
+  if (sub == 0 && row < p.rows) {
+    *head_rows<Acc>(p.delta, b, h).row(i) = sum;
+    // The fused backward's counters (backward_sm90_fused.cu): one per 64-row query tile, zeroed
+    // by the tile's first row.
+    if (p.dq_semaphores != nullptr && (i & 63) == 0)
+      p.dq_semaphores[(static_cast<i64>(b) * p.heads_q + h) * ceil_div(p.seq_q, 64) + (i >> 6)] = 0;
+  }
 }
 
 }  // namespace cuflash

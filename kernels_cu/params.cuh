@@ -34,6 +34,11 @@ struct Params {
   // (work_list.cu) writes before each launch, from entry list_base (two int4 each): a header
   // {items, ...}, then an entry per item (work_item).
   int4* work_list;
+  // The fused backward (backward_sm90_fused.cu): float32 dQ partial sums, a BM x HD tile per
+  // (batch, query head, query tile) in the consumers' fragment order, and one counter per such
+  // tile that orders the additions (the preprocess zeroes them); null elsewhere.
+  float* dq_accum;
+  int* dq_semaphores;
   double scale;             // S = scale * q . k
   double softcap;           // softcap c: S = c tanh(S / c) (the SOFTCAP feature, score_mod.cuh)
   int batch, heads_q, heads_kv, group;  // group = heads_q / heads_kv

@@ -220,3 +220,95 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     # d = 64 with ALiBi: the TMA dK/dV kernel spills, so both take the cp.async kernels
     with_alibi = _dispatch.backward(alibi, strides, "sm_90a", 132)
     assert with_alibi.dkdv.aligned.spec.path != "tma" and with_alibi.dq.aligned.spec.path != "tma"
+
+
+def test_the_fused_backward_serves_dense_unbounded_calls_at_d_128():
+    p = problem(head_dim=128, seq_q=1000, seq_k=1000, window=(None, None))
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+    assert (chosen.dkdv.aligned.spec.path, chosen.dq.aligned.spec.path) == ("fused", "fused")
+    assert chosen.dkdv.unaligned.spec.path == chosen.dq.unaligned.spec.path == "wgmma"
+    assert chosen.dkdv.aligned.num_blocks == -(-1000 // 128) and not chosen.dkdv.aligned.paired
+    tiles = -(-1000 // 64)
+    assert chosen.dq.aligned.grid == p.batch * p.heads_q * tiles
+    # the workspace: D, then a counter per (batch, query head, 64-row tile), then the sums
+    ws = _dispatch.backward_workspace(p)
+    delta = p.batch * p.heads_q * p.seq_q * 4
+    assert ws.semaphores >= delta and ws.accum >= ws.semaphores + 4 * p.batch * p.heads_q * tiles
+    assert ws.nbytes == ws.accum + p.batch * p.heads_q * tiles * 64 * 128 * 4
+    assert ws.semaphores % 256 == ws.accum % 256 == 0
+    # an explicit choice of the split kernels, and other architectures
+    split = _dispatch.backward(p, strides_of(p), "sm_90a", 132, KernelChoice(backward="split"))
+    assert split.dkdv.aligned.spec.path == "tma"
+    assert _dispatch.backward(p, strides_of(p), "sm_80", 132).dkdv.aligned.spec.path == "mma"
+    # unaligned strides: no TMA, so no fused backward either
+    assert _dispatch.backward(p, strides_of(p, 1), "sm_90a", 132).dkdv.aligned.spec.path != "fused"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(window=(None, 0)),  # causal
+        dict(window=(100, None)),
+        dict(window=(None, 5)),
+        dict(head_dim=64),
+        dict(head_dim=256),
+        dict(dtype="float32"),
+        dict(seq_q=64, seq_k=1000),  # 8 key blocks, 1 query step a head
+    ],
+)
+def test_the_fused_backward_leaves_the_other_calls(change):
+    p = problem(**{"head_dim": 128, "seq_q": 1000, "seq_k": 1000, "window": (None, None), **change})
+    assert not _dispatch.fused_backward_fits(p)
+    assert _dispatch.backward_workspace(p).accum == 0
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132, KernelChoice(backward="fused"))
+    assert chosen.dkdv.aligned.spec.path != "fused"
+
+
+def fused_turns(item: int, n: int, tiles: int, steps: int, grid: int) -> tuple[list, list]:
+    """The mirror of FusedDqOrder (kernels_cu/backward_sm90_fused.cu): an item's query step at each
+    local step, and its turn at each query step."""
+    base = item - item % n
+    wave = item // grid
+    lo, hi = max(base, wave * grid), min(base + n, (wave + 1) * grid)
+    first, r, m = lo - base, item - lo, hi - lo
+    span = tiles if m <= tiles else steps
+    offset = r * span // m
+    visits = [(offset + s) % steps for s in range(steps)]
+    turns = []
+    for q in range(steps):
+        rq = min(m - 1, -(-(q + 1) * m // span) - 1)
+        turns.append(first + (rq - r) % m)
+    return visits, turns
+
+
+@pytest.mark.parametrize(
+    "n,tiles,group,grid,heads",
+    [
+        (1, 1, 1, 132, 3),
+        (3, 5, 1, 132, 2),
+        (47, 94, 1, 132, 3),
+        (157, 40, 4, 132, 1),  # more items than a head's tiles: spread over every step
+        (8, 16, 4, 132, 130),
+        (8, 8, 1, 3, 4),
+        (16, 40, 2, 7, 5),
+        (5, 5, 3, 5, 2),
+        (32, 64, 8, 100, 9),
+    ],
+)
+def test_the_fused_backwards_turns_are_a_schedule_without_waits_on_later_work(
+    n, tiles, group, grid, heads
+):
+    # Items heads x n, item i at step i // grid of its block. For every query step of every head:
+    # the turns are 0 .. n - 1, and the item before each turn adds at an earlier (wave, local step),
+    # so that the wait always ends.
+    steps = group * tiles
+    for head in range(heads):
+        items = range(head * n, (head + 1) * n)
+        schedule = {i: fused_turns(i, n, tiles, steps, grid) for i in items}
+        for visits, _ in schedule.values():
+            assert sorted(visits) == list(range(steps))
+        for q in range(steps):
+            by_turn = sorted(items, key=lambda i: schedule[i][1][q])
+            assert [schedule[i][1][q] for i in by_turn] == list(range(n))
+            when = [(i // grid, schedule[i][0].index(q)) for i in by_turn]
+            assert when == sorted(when) and len(set(when)) == n

@@ -6,6 +6,8 @@ N). The forms:
   wgmma_rs     D += A B       A (64 x 16) from registers, B (16 x N) MN-major
   wgmma_ss_tb  D (+)= A B     A from shared memory (K-major), B (16 x N) MN-major (transposed);
                none written at present (SHAPES), kept for the kernels that need one
+  wgmma_ss_tt  D (+)= A B     A (64 x 16) and B (16 x N) from shared memory, both MN-major
+               (the fused backward's dQ = dS K, dS^T stored as its key rows)
 
     python tools/gen_wgmma.py       # rewrites kernels_cu/wgmma.cuh in place
 """
@@ -22,12 +24,15 @@ ELEMS = {"f16": "f16", "bf16": "bf16"}
 SHAPES = {
     "wgmma_ss": (64, 96, 128, 160, 256),
     "wgmma_ss_tb": (),
+    "wgmma_ss_tt": (64,),
     "wgmma_rs": (64, 128, 256),
 }
 COMMENT = {
     "wgmma_ss": "D (64 x {n}, fp32) (+)= A (64 x 16, shared, K-major)"
     " * B (16 x {n}, shared, K-major)^T",
     "wgmma_ss_tb": "D (64 x {n}, fp32) (+)= A (64 x 16, shared, K-major)"
+    " * B (16 x {n}, shared, MN-major)",
+    "wgmma_ss_tt": "D (64 x {n}, fp32) (+)= A (64 x 16, shared, MN-major)"
     " * B (16 x {n}, shared, MN-major)",
     "wgmma_rs": "D (64 x {n}, fp32) += A (64 x 16, registers)"
     " * B (16 x {n}, shared, MN-major: transposed on the way)",
@@ -47,8 +52,9 @@ def specialization(form: str, elem: str, n: int) -> str:
     else:
         args = f"unsigned long long desc_a,\n{INDENT}unsigned long long desc_b, int accumulate"
         pred = regs + 2
-        trans_b = 1 if form == "wgmma_ss_tb" else 0
-        operands = f"%{regs}, %{regs + 1}, p, 1, 1, 0, {trans_b}"
+        trans_a = 1 if form == "wgmma_ss_tt" else 0
+        trans_b = 1 if form in ("wgmma_ss_tb", "wgmma_ss_tt") else 0
+        operands = f"%{regs}, %{regs + 1}, p, 1, 1, {trans_a}, {trans_b}"
         ins = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
     return (
         f"// {COMMENT[form].format(n=n)}\n"
@@ -68,7 +74,7 @@ def generated() -> str:
     parts = []
     for elem in ELEMS:
         for n in sorted({n for shapes in SHAPES.values() for n in shapes}):
-            for form in ("wgmma_ss", "wgmma_rs", "wgmma_ss_tb"):
+            for form in ("wgmma_ss", "wgmma_rs", "wgmma_ss_tb", "wgmma_ss_tt"):
                 if n in SHAPES[form]:
                     parts.append(specialization(form, elem, n))
     return "\n".join(parts)

@@ -46,11 +46,11 @@ def inputs(gen, dtype, d: int, aligned: bool, rows_q: tuple, rows_k: tuple) -> l
 def mod_options(causal: bool, mods: str, gen, slopes_shape: tuple) -> dict:
     """The call's options for mods (see run)."""
     options = {"causal": causal}
-    if mods:
+    if mods and mods != "alibi_dense":
         options["window"] = (9, 4)
     if mods == "all":
         options["softcap"] = 5.0
-    if mods in ("alibi", "all"):
+    if mods in ("alibi", "alibi_dense", "all"):
         options["alibi_slopes"] = torch.rand(slopes_shape, generator=gen, device="cuda")
     return options
 
@@ -66,7 +66,8 @@ def run(
     mods: str = "",
 ) -> None:
     """mods: "" (none), "window" (a sliding window: the LOCAL instances), "alibi" (window and
-    ALiBi: the Hopper backward kernels take it) or "all" (window, softcap and ALiBi)."""
+    ALiBi: the Hopper backward kernels take it), "alibi_dense" (ALiBi alone: not causal, the
+    fused backward at d = 128) or "all" (window, softcap and ALiBi)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk))
     options = mod_options(causal, mods, gen, (2, 4))
@@ -230,7 +231,9 @@ def main() -> int:
             count += 4
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
-                count += 1
+                # the fused backward (d = 128, not causal): several key blocks and query tiles
+                run(choice, dtype, d, False, aligned=True, nq=300, nk=333, mods="alibi_dense")
+                count += 2
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):

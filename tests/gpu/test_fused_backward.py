@@ -1,0 +1,140 @@
+"""The fused Hopper backward (kernels_cu/backward_sm90_fused.cu): which calls take it, its results
+against the float64 reference over shapes, grouped heads, layouts, strides and ALiBi, its bitwise
+determinism, and the ordered additions of dQ's sums when a head's key blocks span several waves
+of the persistent grid. Skipped on GPUs other than sm_90."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_kernels import Case, check_case
+
+from cuflash import _compile, _dispatch, testing
+from cuflash._dispatch import KernelChoice
+
+pytestmark = pytest.mark.gpu
+if testing.gpu_unavailable_reason():
+    pytest.skip(f"GPU test: {testing.gpu_unavailable_reason()}", allow_module_level=True)
+torch = pytest.importorskip("torch", reason="the GPU tests make their inputs with PyTorch")
+if _compile.device_arch(torch.cuda.current_device()) != "sm_90a":
+    pytest.skip("the fused backward runs on Hopper (sm_90) only", allow_module_level=True)
+
+FUSED = KernelChoice(backward="fused")
+SPLIT = KernelChoice(backward="split")
+
+
+def backward_paths(plans: tuple) -> tuple[str, str]:
+    bwd = plans[1]
+    return bwd.dkdv.aligned.launch.spec.path, bwd.dq.aligned.launch.spec.path
+
+
+@st.composite
+def fused_cases(draw):
+    layout = draw(st.sampled_from(["bshd", "bhsd", "2d"]))
+    two_d = layout == "2d"
+    batch = 1 if two_d else draw(st.integers(1, 3))
+    heads_kv = 1 if two_d else draw(st.integers(1, 3))
+    group = 1 if two_d else draw(st.sampled_from([1, 2, 4, 8]))
+    seq = st.one_of(st.integers(1, 70), st.integers(1, 700), st.integers(600, 1500))
+    seq_q, seq_k = draw(seq), draw(seq)
+    return Case(
+        batch,
+        heads_kv,
+        group,
+        seq_q,
+        seq_k,
+        draw(st.sampled_from([128, 120, 104, 112])),
+        draw(st.sampled_from(["float16", "bfloat16"])),
+        layout,
+        False,
+        draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        draw(st.sampled_from(["contiguous", "views"])),
+        draw(st.integers(0, 2**31 - 1)),
+        alibi=draw(st.sampled_from([None, None, "head", "batch"])),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fused_cases())
+def test_fused_backward_against_the_reference(case):
+    plans = check_case(case, "fused backward", FUSED)
+    paths = backward_paths(plans)
+    if _dispatch.fused_backward_fits(plans[1].p):
+        assert paths == ("fused", "fused"), case
+    else:  # more key blocks than query steps
+        assert "fused" not in paths, case
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (batch, heads_kv, group, seq_q, seq_k): the third head's 47 key blocks run in two waves
+        # of the 132-block grid (items 94 .. 131 and 132 .. 140)
+        (3, 1, 1, 6000, 6000),
+        # more key blocks than a wave (157 a head), with grouped heads
+        (1, 1, 4, 2500, 20000),
+        (2, 3, 2, 4096, 4096),
+    ],
+)
+def test_turns_across_waves(shape):
+    batch, heads_kv, group, seq_q, seq_k = shape
+    case = Case(
+        batch, heads_kv, group, seq_q, seq_k, 128, "bfloat16", "bshd", False, None, "contiguous", 11
+    )
+    plans = check_case(case, "fused waves", FUSED)
+    assert backward_paths(plans) == ("fused", "fused")
+
+
+def test_fused_backward_is_deterministic_and_the_default():
+    import cuflash
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, do = (torch.randn(2, 3000, 8, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(2, 3000, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    o, lse = cuflash.attention_forward(q, k, v)
+    first = cuflash.attention_backward(do, q, k, v, o, lse)
+    for _ in range(3):
+        again = cuflash.attention_backward(do, q, k, v, o, lse)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    fused = testing.attention_backward_with(FUSED, do, q, k, v, o, lse)
+    split = testing.attention_backward_with(SPLIT, do, q, k, v, o, lse)
+    assert backward_paths((None, fused[3])) == ("fused", "fused")
+    assert backward_paths((None, split[3])) == ("tma", "tma")
+    assert all(torch.equal(a, b) for a, b in zip(first, fused[:3], strict=True))
+    # the two agree to the dtype's rounding (they add in other orders)
+    for a, b in zip(fused[:3], split[:3], strict=True):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize(
+    "causal,window,softcap,seq_k",
+    [
+        (True, None, None, 500),
+        (False, (64, 64), None, 500),
+        (False, None, 5.0, 500),
+        (False, (None, 3), None, 500),
+        (False, None, None, 20000),
+    ],
+)
+def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
+    # bounded masks, the softcap, and more key blocks than query steps (group x query tiles)
+    case = Case(
+        1,
+        2,
+        1,
+        100 if seq_k > 10000 else 500,
+        seq_k,
+        128,
+        "bfloat16",
+        "bshd",
+        causal,
+        None,
+        "contiguous",
+        3,
+        window=window,
+        softcap=softcap,
+    )
+    plans = check_case(case, "fused excluded", FUSED)
+    assert "fused" not in backward_paths(plans)
