@@ -439,10 +439,10 @@ def _fused_instance(spec, name, family, elem, hd, features) -> KernelSpec:
         if features:
             raise ValueError("the fused backward's dQ kernel has no features")
         return spec(f"{name}<{elem}, {hd}>", FUSED_DQ_THREADS, 0, bm, 0)
-    # K and V (one buffer), Q and dO per stage, the dS^T tile, the float32 staging tile of dQ,
+    # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ,
     # lse2 and D per stage, the barriers (8 of 8 bytes with two stages), 1 KB alignment slack
     row_bytes = hd * 2
-    smem = (2 * bn + 2 * stages * bm) * row_bytes + bn * bm * 2 + bm * hd * 4
+    smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + bm * hd * 4
     smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 1024
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
     return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)

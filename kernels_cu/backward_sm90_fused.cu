@@ -7,7 +7,8 @@
 // attention_backward_fused_tma: as attention_backward_dkdv_tma (a persistent block per SM walks the
 // (batch, KV head, key block) items; warpgroup 0 produces, consumer warpgroups of 64 keys run the
 // steps of Sm90DkdvKeys over the query tiles of every query head of the group), and per query tile:
-//   - both consumers store dS^T of their keys into one shared tile (stmatrix, 128-byte swizzle);
+//   - both consumers store dS^T of their keys into one shared tile (stmatrix, 128-byte swizzle;
+//     two tiles used in turn, so that one barrier a tile orders the consumers);
 //   - each computes dQ_part = dS K for half of the head dim (wgmma, A = dS^T read MN-major,
 //     B = K read MN-major) and stores it, in fragment order, into a staging tile;
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
@@ -17,10 +18,12 @@
 // walk: item i runs as step i / G of block i % G) visit the query steps rotated, item r of the
 // wave's m starting at step r T / m (T: a query head's tiles), so that at each step they work on
 // different tiles, and each tile's turns follow the order of the visits (FusedDqOrder); items of
-// later waves come after those of earlier ones. A turn waits only for additions made at earlier steps of the same wave or
-// in earlier waves, so every wait ends. The host launches this kernel only for unbounded masks
-// (every key block adds to every query tile) and at most S key blocks per head
-// (cuflash/_dispatch.py).
+// later waves come after those of earlier ones. A turn waits only for additions made at earlier
+// steps of the same wave or in earlier waves, so every wait ends. The host launches this kernel
+// only for unbounded masks (every key block adds to every query tile: no masked tiles, so no
+// repair either) and at most group x T key blocks per head (cuflash/_dispatch.py). Bounded masks
+// (causal, windows) keep the dK/dV and dQ kernels: their tile order and repair did not fit the
+// registers here (docs/perf/NOTES.md, v21).
 //
 // attention_backward_dq_from_accum: dQ = scale * sums, a block per (batch, query head, query tile).
 #include "common.cuh"
@@ -40,7 +43,7 @@ constexpr int FUSED_BM = 64;  // query rows of a tile (the dQ sums' tiles; the p
 // The m items of a wave start `span` / m query steps apart, span being one query head's tiles
 // (or all steps, where there are more items than tiles): every query tile then gets its additions
 // a few steps apart, while its sums are still in L2 (spread over the whole group's steps, grouped
-// heads ran 1.08-1.12x slower, docs/perf/NOTES.md, v21).
+// heads ran 0.77-0.92x as fast, docs/perf/NOTES.md, v21).
 struct FusedDqOrder {
   int first;   // items of the head in earlier waves
   int r, m;    // this item's position among the head's items in its wave, and their count
@@ -130,8 +133,8 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   unsigned char* sV = sK + KEYS_BYTES;            // one tile
   unsigned char* sQ = sV + KEYS_BYTES;            // STAGES tiles
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;  // STAGES tiles
-  unsigned char* sdS = sdO + STAGES * ROWS_BYTES; // dS^T: BN key rows of BM queries (128 bytes)
-  float* sdQ = reinterpret_cast<float*>(sdS + DS_BYTES);  // staging tile, fragment order
+  unsigned char* sdS = sdO + STAGES * ROWS_BYTES; // dS^T, two tiles: BN key rows of BM queries
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * DS_BYTES);  // staging tile, fragment order
   float* s_lse2 = sdQ + BM * HD;                           // STAGES x BM
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   FusedBarriers<STAGES>& bar = *reinterpret_cast<FusedBarriers<STAGES>*>(s_delta + STAGES * BM);
@@ -251,27 +254,28 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       wgmma_wait<0>();
       keys.probabilities(false, m0, s_lse2 + stage * BM, s_delta + stage * BM, f,
                          Mask::of(p, work.seq.ext));
-      // dS^T of this warp's 16 keys into rows 64 wg + 16 w .. of sdS, once the other consumer's
-      // dQ product of the previous tile has read them.
-      named_barrier_sync(1, CONSUMER_THREADS);
+      // dS^T of this warp's 16 keys into rows 64 wg + 16 w .. of one of two tiles, in turn: the
+      // last products that read this one (two tiles back) were waited for before the other
+      // consumer passed the barrier below on the previous tile.
+      unsigned char* ds_tile = sdS + (staged & 1) * DS_BYTES;
       {
         const int mi = lane >> 3, row = wg * 64 + key_row0 % 64 + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
           const int chunk = 2 * kk + (mi >> 1);
-          stmatrix_x4(sdS + row * 128 + ((chunk ^ (row & 7)) << 4), f.dst[kk][0], f.dst[kk][1],
+          stmatrix_x4(ds_tile + row * 128 + ((chunk ^ (row & 7)) << 4), f.dst[kk][0], f.dst[kk][1],
                       f.dst[kk][2], f.dst[kk][3]);
         }
       }
       fence_proxy_async();
-      named_barrier_sync(2, CONSUMER_THREADS);
+      named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
       keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
       // dQ_part = dS K for head-dim columns 64 wg ..: A = dS^T, B = K, both read MN-major.
       float acc_dq[NT_DQ][4];
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_ss_tt<Elem, HD / CONSUMERS>(acc_dq, smem_desc(sdS + kk * 2048, BN * 128, 1024),
+        wgmma_ss_tt<Elem, HD / CONSUMERS>(acc_dq, smem_desc(ds_tile + kk * 2048, BN * 128, 1024),
                                           smem_desc(sK + wg * (BN * 128) + kk * 2048, BN * 128, 1024),
                                           kk > 0);
       wgmma_commit();
