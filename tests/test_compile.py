@@ -87,7 +87,7 @@ def test_instances_carry_their_features():
     # masks or modifies scores
     for arch in ("sm_80", "sm_90a"):
         for spec in _kernels.all_specs(arch):
-            if spec.family in _kernels.FEATURELESS_FAMILIES:
+            if _kernels.featureless(spec):
                 assert spec.features == 0, spec.name_expression
                 continue
             assert spec.features in _kernels.FEATURE_SETS
