@@ -608,6 +608,8 @@ def featureless(spec: KernelSpec) -> bool:
     """Whether an instance has no FEATURES template argument: it applies no mask or modifier (the
     families above, and the fused backward's dQ kernel, which scales sums)."""
     return spec.family in FEATURELESS_FAMILIES or (spec.family, spec.path) == ("dq", "fused")
+
+
 APPEND_THREADS = 256
 COMBINE_WARPS = 8
 GATHER_THREADS = 128
