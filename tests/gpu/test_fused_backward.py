@@ -138,3 +138,45 @@ def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
     )
     plans = check_case(case, "fused excluded", FUSED)
     assert "fused" not in backward_paths(plans)
+
+
+@pytest.mark.parametrize(
+    "where,value",
+    [("q", float("nan")), ("k", float("nan")), ("v", float("nan")), ("do", float("nan"))],
+)
+def test_a_nonfinite_input_reaches_what_depends_on_it(where, value):
+    # Without a mask every key meets every query in the products, so a non-finite element reaches
+    # exactly what the float64 reference says (no repair needed), and the rest stays as accurate.
+    import numpy as np
+
+    import cuflash
+    from cuflash import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, do = (torch.randn(1, 300, 4, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(1, 333, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    inputs = {"q": q, "k": k, "v": v, "do": do}
+    bad = {name: x.clone() for name, x in inputs.items()}
+    bad[where][0, 150, 1, 3] = value
+
+    def run(x):
+        o, lse = cuflash.attention_forward(x["q"], x["k"], x["v"])
+        grads = testing.attention_backward_with(FUSED, x["do"], x["q"], x["k"], x["v"], o, lse)
+        assert backward_paths((None, grads[3])) == ("fused", "fused")
+        return (o, *grads[:3])
+
+    def f64(x):
+        return x.double().cpu().numpy()
+
+    def want(x):
+        o, lse = reference.forward(f64(x["q"]), f64(x["k"]), f64(x["v"]))
+        return (o, *reference.backward(*(f64(x[n]) for n in ("do", "q", "k", "v")), o, lse))
+
+    got, clean = run(bad), run(inputs)
+    for name, g, w, c, wc in zip(
+        ("o", "dq", "dk", "dv"), got, want(bad), clean, want(inputs), strict=True
+    ):
+        g, finite = f64(g), np.isfinite(w)
+        np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=name)
+        own_error = np.abs(f64(c) - wc).max()
+        assert np.abs(g[finite] - w[finite]).max() <= 2 * own_error + 1e-6, name
