@@ -39,18 +39,18 @@ def fused_cases(draw):
     seq = st.one_of(st.integers(1, 70), st.integers(1, 700), st.integers(600, 1500))
     seq_q, seq_k = draw(seq), draw(seq)
     return Case(
-        batch,
-        heads_kv,
-        group,
-        seq_q,
-        seq_k,
-        draw(st.sampled_from([128, 120, 104, 112])),
-        draw(st.sampled_from(["float16", "bfloat16"])),
-        layout,
-        False,
-        draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
-        draw(st.sampled_from(["contiguous", "views"])),
-        draw(st.integers(0, 2**31 - 1)),
+        batch=batch,
+        heads_kv=heads_kv,
+        group=group,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=draw(st.sampled_from([128, 120, 104, 112])),  # the bucket of 128
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        layout=layout,
+        causal=False,
+        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        storage=draw(st.sampled_from(["contiguous", "views"])),  # TMA-readable
+        seed=draw(st.integers(0, 2**31 - 1)),
         alibi=draw(st.sampled_from([None, None, "head", "batch"])),
     )
 
