@@ -175,12 +175,8 @@ def fused_backward_fits(p: Problem) -> bool:
     at most as many key blocks per head as query steps (group x query tiles: the writers' turns
     need an item per start, backward_sm90_fused.cu)."""
     return (
-        not p.packed
-        and p.softcap is None
-        and not p.mask.local
+        _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
         and not p.mask.bounded_right
-        and p.dtype in _kernels.TENSOR_CORE_DTYPES
-        and _kernels.head_dim_bucket(p.head_dim) in _kernels.FUSED_BACKWARD_BUCKETS
         and p.seq_q > 0
         and 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
     )
@@ -244,14 +240,9 @@ def backward(
         and "tma" in _allowed_paths(p, "dkdv", arch, choice)
         and _tma_readable(p, strides, ("q", "k", "v", "dout"))
     )
-    fused = (
-        tma
-        and choice.backward != "split"
-        and fused_backward_fits(p)
-        and _kernels.fused_backward_available(p.dtype, p.head_dim, arch, features(p))
-    )
+    fused = tma and arch == "sm_90a" and choice.backward != "split" and fused_backward_fits(p)
+    maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
     if fused:
-        maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
         spec = _kernels.instance("dkdv", "fused", p.dtype, p.head_dim, None, features(p))
         blocks = _ceil_div(p.seq_k, spec.rows_per_block)
         dkdv = _persistent_launch(p, spec, p.heads_kv, blocks, sm_count, maps, family="dkdv")
@@ -259,7 +250,6 @@ def backward(
         tiles = _ceil_div(p.seq_q, post.rows_per_block)
         dq = Launch(post, p.batch * p.heads_q * tiles, tiles, vec=True)
     elif tma:
-        maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
         launches = []
         for family, heads, seq in (("dkdv", p.heads_kv, p.seq_k), ("dq", p.heads_q, p.seq_q)):
             tiles = choice.tiles_for(family, "tma") or _kernels.default_tiles(

@@ -158,7 +158,7 @@ _TMA_TILES = {
 FUSED_BACKWARD_BUCKETS = (128,)
 FUSED_TILES = (64, 128, 2)
 FUSED_FEATURES = FEATURE_ALIBI
-FUSED_DQ_THREADS = 256
+FUSED_DQ_THREADS = 128
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
 # (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
 _TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
@@ -420,12 +420,11 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, sche
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
 
-def fused_backward_available(dtype: str, head_dim: int, arch: str, features: int) -> bool:
-    """Whether the fused backward has an instance for these (the mask's bounds aside: the dispatch
-    checks those, cuflash/_dispatch.py)."""
+def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
+    """Whether the fused backward (sm_90a) has an instance for these (the mask's right bound
+    aside: the dispatch checks it, cuflash/_dispatch.py)."""
     return (
-        arch == "sm_90a"
-        and dtype in TENSOR_CORE_DTYPES
+        dtype in TENSOR_CORE_DTYPES
         and head_dim_bucket(head_dim) in FUSED_BACKWARD_BUCKETS
         and not features & ~FUSED_FEATURES
     )
@@ -453,13 +452,11 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     the compile check must cover."""
     specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs(arch)
     specs.add(work_list_instance())
-    for dt in TENSOR_CORE_DTYPES:
+    for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
             for features in (0, FUSED_FEATURES):
-                if fused_backward_available(dt, hd, arch, features):
-                    specs.add(instance("dkdv", "fused", dt, hd, None, features))
-            if fused_backward_available(dt, hd, arch, 0):  # its dQ kernel has no features
-                specs.add(instance("dq", "fused", dt, hd))
+                specs.add(instance("dkdv", "fused", dt, hd, None, features))
+            specs.add(instance("dq", "fused", dt, hd))  # its dQ kernel has no features
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:

@@ -58,10 +58,11 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
   for (int off = lanes_per_row >> 1; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (sub == 0 && row < p.rows) {
     *head_rows<Acc>(p.delta, b, h).row(i) = sum;
-    // The fused backward's counters (backward_sm90_fused.cu): one per 64-row query tile, zeroed
-    // by the tile's first row.
-    if (p.dq_semaphores != nullptr && (i & 63) == 0)
-      p.dq_semaphores[(static_cast<i64>(b) * p.heads_q + h) * ceil_div(p.seq_q, 64) + (i >> 6)] = 0;
+    // The fused backward's counters (backward_sm90_fused.cu): one per query tile, zeroed by the
+    // tile's first row.
+    if (p.dq_semaphores != nullptr && i % FUSED_BM == 0)
+      p.dq_semaphores[(static_cast<i64>(b) * p.heads_q + h) * ceil_div(p.seq_q, FUSED_BM) +
+                      i / FUSED_BM] = 0;
   }
 }
 

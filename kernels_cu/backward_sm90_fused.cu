@@ -37,8 +37,6 @@
 
 namespace cuflash {
 
-constexpr int FUSED_BM = 64;  // query rows of a tile (the dQ sums' tiles; the preprocess's counters)
-
 // The turn of an item at each query step: items base .. base + n - 1 share a (batch, KV head).
 // The m items of a wave start `span` / m query steps apart, span being one query head's tiles
 // (or all steps, where there are more items than tiles): every query tile then gets its additions
@@ -259,7 +257,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       // consumer passed the barrier below on the previous tile.
       unsigned char* ds_tile = sdS + (staged & 1) * DS_BYTES;
       {
-        const int mi = lane >> 3, row = wg * 64 + key_row0 % 64 + (mi & 1) * 8 + (lane & 7);
+        const int mi = lane >> 3, row = key_row0 + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
           const int chunk = 2 * kk + (mi >> 1);
@@ -314,34 +312,29 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   }
 }
 
-// dQ = scale * sums: a block of 256 threads per (batch, query head, query tile), each thread eight
-// float4 of the tile in the fused kernel's fragment order.
+// dQ = scale * sums: a block of 128 threads per (batch, query head, query tile). Thread tid reads
+// the float4s that consumer thread tid of each warpgroup staged: together the 16-row accumulator
+// of its warp's rows in the mma layout (mma.cuh), stored as the dQ kernels store theirs.
 template <typename Elem, int HD>
-__global__ void __launch_bounds__(256) attention_backward_dq_from_accum(const __grid_constant__ Params p) {
-  constexpr int NT_DQ = HD / 2 / 8, FLOAT4S = FUSED_BM * HD / 4;
+__global__ void __launch_bounds__(128) attention_backward_dq_from_accum(const __grid_constant__ Params p) {
+  // staged float4 (wg, nt) of thread tid, at (wg * NT_D / 2 + nt) * 128 + tid, is column tile
+  // wg * NT_D / 2 + nt of its rows
+  constexpr int NT_D = HD / 8;
   const int tiles_q = ceil_div(p.seq_q, FUSED_BM);
   const i64 index = blockIdx.x;
   const int tile = static_cast<int>(index % tiles_q);
   const i64 bh = index / tiles_q;
   const int batch = static_cast<int>(bh / p.heads_q), head = static_cast<int>(bh % p.heads_q);
   const float4* sums = reinterpret_cast<const float4*>(p.dq_accum + index * (FUSED_BM * HD));
-  unsigned short* dq = head_ptr<unsigned short>(p.dq, batch, head);
-  const float scale = static_cast<float>(p.scale);
-  const int d = p.head_dim;
-#pragma unroll 4
-  for (int f = threadIdx.x; f < FLOAT4S; f += 256) {
-    const float4 v = sums[f];
-    const int wg = f / (NT_DQ * 128), nt = (f / 128) % NT_DQ, tid = f % 128;
-    const int l = tid & 31, row = tile * FUSED_BM + (tid >> 5) * 16 + (l >> 2);
-    const int col = wg * (HD / 2) + nt * 8 + 2 * (l & 3);
-    if (col >= d) continue;
-    if (row < p.seq_q)
-      *reinterpret_cast<unsigned*>(dq + row * p.dq.seq + col) =
-          ElemTraits<Elem>::pack2(v.x * scale, v.y * scale);
-    if (row + 8 < p.seq_q)
-      *reinterpret_cast<unsigned*>(dq + (row + 8) * p.dq.seq + col) =
-          ElemTraits<Elem>::pack2(v.z * scale, v.w * scale);
+  float acc[NT_D][4];
+#pragma unroll
+  for (int nt = 0; nt < NT_D; ++nt) {
+    const float4 v = sums[nt * 128 + threadIdx.x];
+    acc[nt][0] = v.x, acc[nt][1] = v.y, acc[nt][2] = v.z, acc[nt][3] = v.w;
   }
+  store_accumulator_rows<Elem, NT_D>(head_ptr<unsigned short>(p.dq, batch, head), p.dq.seq,
+                                     tile * FUSED_BM + (threadIdx.x >> 5) * 16, p.seq_q,
+                                     p.head_dim, acc, static_cast<float>(p.scale), threadIdx.x & 31);
 }
 
 }  // namespace cuflash

@@ -34,7 +34,7 @@ struct Params {
   // (work_list.cu) writes before each launch, from entry list_base (two int4 each): a header
   // {items, ...}, then an entry per item (work_item).
   int4* work_list;
-  // The fused backward (backward_sm90_fused.cu): float32 dQ partial sums, a BM x HD tile per
+  // The fused backward (backward_sm90_fused.cu): float32 dQ partial sums, a FUSED_BM x HD tile per
   // (batch, query head, query tile) in the consumers' fragment order, and one counter per such
   // tile that orders the additions (the preprocess zeroes them); null elsewhere.
   float* dq_accum;
@@ -66,6 +66,9 @@ struct Params {
   i64 block_table_stride;  // paged KV cache: elements between two sequences' rows of the table
   i64 list_base;      // packed persistent kernels: the first entry (the header) of their work list
 };
+
+// Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores).
+constexpr int FUSED_BM = 64;
 
 // Row 0 of head `head` of sequence `batch` of a tensor, as T: 64-bit offsets throughout.
 template <typename T>
