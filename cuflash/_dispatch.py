@@ -171,14 +171,20 @@ _WORKSPACE_ALIGN = 256
 
 def fused_backward_fits(p: Problem) -> bool:
     """Whether the fused backward can serve the call, the GPU and the strides aside: dense masks
-    without bounds (every key block adds to every query tile), no softcap, a bucket it has, and
-    at most as many key blocks per head as query steps (group x query tiles: the writers' turns
-    need an item per start, backward_sm90_fused.cu)."""
+    without bounds (every key block adds to every query tile), no softcap, a bucket it has, whole
+    key blocks, and at most as many key blocks per head as query steps (group x query tiles: the
+    writers' turns need an item per start, backward_sm90_fused.cu).
+
+    Whole key blocks: the kernel does not mask the keys past the end of a partial last block, and
+    their dS (P = exp(-lse) there, since their scores are 0) reaches dQ's product with their zero
+    rows of K; where a row's lse is very negative that P overflows the 16-bit dS to inf, and
+    inf x 0 gives NaN (found on the H100: fp16, one key, scale 1; docs/perf/NOTES.md, v21)."""
     return (
         _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
         and not p.mask.bounded_right
         and p.seq_q > 0
-        and 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
+        and p.seq_k % _FUSED_BN == 0
+        and 0 < p.seq_k // _FUSED_BN <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
     )
 
 

@@ -21,7 +21,8 @@
 // later waves come after those of earlier ones. A turn waits only for additions made at earlier
 // steps of the same wave or in earlier waves, so every wait ends. The host launches this kernel
 // only for unbounded masks (every key block adds to every query tile: no masked tiles, so no
-// repair either) and at most group x T key blocks per head (cuflash/_dispatch.py). Bounded masks
+// repair either), whole key blocks (keys past the end of a partial block are not masked here, and
+// their dS would reach dQ) and at most group x T key blocks per head (cuflash/_dispatch.py). Bounded masks
 // (causal, windows) keep the dK/dV and dQ kernels: their tile order and repair did not fit the
 // registers here (docs/perf/NOTES.md, v21).
 //

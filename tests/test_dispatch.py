@@ -223,11 +223,11 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
 
 
 def test_the_fused_backward_serves_dense_unbounded_calls_at_d_128():
-    p = problem(head_dim=128, seq_q=1000, seq_k=1000, window=(None, None))
+    p = problem(head_dim=128, seq_q=1000, seq_k=1024, window=(None, None))
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
     assert (chosen.dkdv.aligned.spec.path, chosen.dq.aligned.spec.path) == ("fused", "fused")
     assert chosen.dkdv.unaligned.spec.path == chosen.dq.unaligned.spec.path == "wgmma"
-    assert chosen.dkdv.aligned.num_blocks == -(-1000 // 128) and not chosen.dkdv.aligned.paired
+    assert chosen.dkdv.aligned.num_blocks == 1024 // 128 and not chosen.dkdv.aligned.paired
     tiles = -(-1000 // 64)
     assert chosen.dq.aligned.grid == p.batch * p.heads_q * tiles
     # the workspace: D, then a counter per (batch, query head, 64-row tile), then the sums
@@ -253,11 +253,12 @@ def test_the_fused_backward_serves_dense_unbounded_calls_at_d_128():
         dict(head_dim=64),
         dict(head_dim=256),
         dict(dtype="float32"),
-        dict(seq_q=64, seq_k=1000),  # 8 key blocks, 1 query step a head
+        dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head
+        dict(seq_k=1000),  # a partial last key block
     ],
 )
 def test_the_fused_backward_leaves_the_other_calls(change):
-    p = problem(**{"head_dim": 128, "seq_q": 1000, "seq_k": 1000, "window": (None, None), **change})
+    p = problem(**{"head_dim": 128, "seq_q": 1000, "seq_k": 1024, "window": (None, None), **change})
     assert not _dispatch.fused_backward_fits(p)
     assert _dispatch.backward_workspace(p).accum == 0
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132, KernelChoice(backward="fused"))

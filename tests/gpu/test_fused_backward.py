@@ -37,7 +37,8 @@ def fused_cases(draw):
     heads_kv = 1 if two_d else draw(st.integers(1, 3))
     group = 1 if two_d else draw(st.sampled_from([1, 2, 4, 8]))
     seq = st.one_of(st.integers(1, 70), st.integers(1, 700), st.integers(600, 1500))
-    seq_q, seq_k = draw(seq), draw(seq)
+    seq_q = draw(seq)
+    seq_k = 128 * draw(st.integers(1, 12))  # whole key blocks (fused_backward_fits)
     return Case(
         batch=batch,
         heads_kv=heads_kv,
@@ -71,9 +72,9 @@ def test_fused_backward_against_the_reference(case):
     [
         # (batch, heads_kv, group, seq_q, seq_k): the third head's 47 key blocks run in two waves
         # of the 132-block grid (items 94 .. 131 and 132 .. 140)
-        (3, 1, 1, 6000, 6000),
-        # more key blocks than a wave (157 a head), with grouped heads
-        (1, 1, 4, 2500, 20000),
+        (3, 1, 1, 6000, 6016),
+        # more key blocks than a wave (156 a head), with grouped heads
+        (1, 1, 4, 2500, 19968),
         (2, 3, 2, 4096, 4096),
     ],
 )
@@ -91,7 +92,7 @@ def test_fused_backward_is_deterministic_and_the_default():
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, do = (torch.randn(2, 3000, 8, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (torch.randn(2, 3000, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(2, 3072, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
     o, lse = cuflash.attention_forward(q, k, v)
     first = cuflash.attention_backward(do, q, k, v, o, lse)
     for _ in range(3):
@@ -116,10 +117,12 @@ def test_fused_backward_is_deterministic_and_the_default():
         (False, None, 5.0, 500),
         (False, (None, 3), None, 500),
         (False, None, None, 20000),
+        (False, None, None, 333),  # a partial last key block
     ],
 )
 def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
-    # bounded masks, the softcap, and more key blocks than query steps (group x query tiles)
+    # bounded masks, the softcap, more key blocks than query steps (group x query tiles), and
+    # a partial last key block
     case = Case(
         1,
         2,
@@ -154,7 +157,7 @@ def test_a_nonfinite_input_reaches_what_depends_on_it(where, value):
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     q, do = (torch.randn(1, 300, 4, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (torch.randn(1, 333, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(1, 384, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
     inputs = {"q": q, "k": k, "v": v, "do": do}
     bad = {name: x.clone() for name, x in inputs.items()}
     bad[where][0, 150, 1, 3] = value
