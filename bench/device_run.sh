@@ -35,7 +35,8 @@
 #   precompile lists the instances whose runtime binary uses local memory (exit 3 if any);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances;
 #   "--family forward decode decode_combine append gather pack_offsets": what the KV cache runs)
-#   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run
+#   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run;
+#   SANITIZE_HEAD_DIMS narrows the dense calls to these head dims (every tool on each)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -181,13 +182,19 @@ sanitize_all() {
   # TMA stores (docs/perf/NOTES.md, v9)
   local cases=${SANITIZE_CASES:-all}
   if [[ $cases == all || $cases == dense ]]; then
-    (
-      sanitize memcheck memcheck --all-buckets
-      sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
-    ) &
-    sanitize racecheck racecheck --head-dim 40 128 200 256
-    sanitize synccheck synccheck --head-dim 40 128 200 256
-    sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
+    if [[ -n ${SANITIZE_HEAD_DIMS:-} ]]; then  # these head dims only, every tool
+      sanitize memcheck memcheck --head-dim $SANITIZE_HEAD_DIMS &
+      sanitize racecheck racecheck --head-dim $SANITIZE_HEAD_DIMS
+      sanitize synccheck synccheck --head-dim $SANITIZE_HEAD_DIMS
+    else
+      (
+        sanitize memcheck memcheck --all-buckets
+        sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
+      ) &
+      sanitize racecheck racecheck --head-dim 40 128 200 256
+      sanitize synccheck synccheck --head-dim 40 128 200 256
+      sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
+    fi
   fi
   # packed calls (well-formed, and malformed offsets on trust): the mma (40, 200) and wgmma (128)
   # kernels with the sequence lookups

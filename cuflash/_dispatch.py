@@ -170,22 +170,26 @@ _WORKSPACE_ALIGN = 256
 
 
 def fused_backward_fits(p: Problem) -> bool:
-    """Whether the fused backward can serve the call, the GPU and the strides aside: dense masks
-    without bounds (every key block adds to every query tile), no softcap, a bucket it has, whole
-    key blocks, and at most as many key blocks per head as query steps (group x query tiles: the
-    writers' turns need an item per start, backward_sm90_fused.cu).
+    """Whether the fused backward can serve the call, the GPU and the strides aside: an instance
+    for its features (no left bound, i.e. no window, no softcap) and bucket; without a right
+    bound, at most as many key blocks per head as query steps (group x query tiles: the rotated
+    turns need an item per start, backward_sm90_fused.cu); with one (causal: the "bounded"
+    schedule, fused_schedule), no grouped heads. Grouped heads under a right bound ran 0.94-1.02x
+    the split kernels (32 / 8 heads, H100; docs/perf/NOTES.md, v22): the additions to a query
+    tile of the group's h-th head come 2 (h + 1) steps apart, and the sums touched between them
+    outgrow L2."""
+    available = _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
+    if not (available and p.seq_q > 0 and p.seq_k > 0):
+        return False
+    if p.mask.bounded_right:
+        return p.group == 1
+    return 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
 
-    Whole key blocks: the kernel does not mask the keys past the end of a partial last block, and
-    their dS (P = exp(-lse) there, since their scores are 0) reaches dQ's product with their zero
-    rows of K; where a row's lse is very negative that P overflows the 16-bit dS to inf, and
-    inf x 0 gives NaN (found on the H100: fp16, one key, scale 1; docs/perf/NOTES.md, v21)."""
-    return (
-        _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
-        and not p.mask.bounded_right
-        and p.seq_q > 0
-        and p.seq_k % _FUSED_BN == 0
-        and 0 < p.seq_k // _FUSED_BN <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
-    )
+
+def fused_schedule(p: Problem) -> str:
+    """The fused dK/dV kernel's order of query tiles and turns for this mask
+    (_kernels.FUSED_SCHEDULES)."""
+    return "bounded" if p.mask.bounded_right else "rotated"
 
 
 @dataclass(frozen=True)
@@ -249,10 +253,12 @@ def backward(
     fused = tma and arch == "sm_90a" and choice.backward != "split" and fused_backward_fits(p)
     maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
     if fused:
-        spec = _kernels.instance("dkdv", "fused", p.dtype, p.head_dim, None, features(p))
+        spec = _kernels.instance(
+            "dkdv", "fused", p.dtype, p.head_dim, None, features(p), schedule=fused_schedule(p)
+        )
         blocks = _ceil_div(p.seq_k, spec.rows_per_block)
         dkdv = _persistent_launch(p, spec, p.heads_kv, blocks, sm_count, maps, family="dkdv")
-        post = _kernels.instance("dq", "fused", p.dtype, p.head_dim)
+        post = _kernels.instance("dq", "fused", p.dtype, p.head_dim, None, features(p))
         tiles = _ceil_div(p.seq_q, post.rows_per_block)
         dq = Launch(post, p.batch * p.heads_q * tiles, tiles, vec=True)
     elif tma:

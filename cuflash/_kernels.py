@@ -152,11 +152,13 @@ _TMA_TILES = {
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
 # The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN, STAGES)
-# (two consumer warpgroups of 64 keys, 64-row query tiles), the features it has (dense masks
-# without a left bound, runtime right bound unbounded: the dispatch checks) and the threads of the
-# dQ kernel that reads its sums.
+# (two consumer warpgroups of 64 keys, 64-row query tiles), its schedules (the dK/dV kernel's
+# order of query tiles and turns: "rotated" for masks without a right bound, "bounded" for those
+# with one, such as causal), the features it has (no left bound, softcap or packing), and the
+# threads of the dQ kernel that reads its sums.
 FUSED_BACKWARD_BUCKETS = (128,)
 FUSED_TILES = (64, 128, 2)
+FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
@@ -311,7 +313,7 @@ def instance(
     with `tiles` (the table's, default_tiles, when None). `o_via_tma`: the TMA forward writes O
     through a staging tile and TMA stores (head dims up to TMA_STORE_MAX_HEAD_DIM only).
     `schedule`: the TMA forward's key-tile loop (FORWARD_SCHEDULES; forward_schedule's when
-    None)."""
+    None), or the fused dK/dV kernel's order (FUSED_SCHEDULES; "rotated" when None)."""
     if (family, path) not in _SOURCE_FILE:
         raise ValueError(f"no {path!r} kernel for family {family!r}")
     if dtype not in DTYPES:
@@ -349,10 +351,14 @@ def instance(
         schedule = schedule or forward_schedule(hd, tiles)
         if schedule not in FORWARD_SCHEDULES:
             raise ValueError(f"schedule must be one of {FORWARD_SCHEDULES}, got {schedule!r}")
+    elif (family, path) == ("dkdv", "fused"):
+        schedule = schedule or FUSED_SCHEDULES[0]
+        if schedule not in FUSED_SCHEDULES:
+            raise ValueError(f"schedule must be one of {FUSED_SCHEDULES}, got {schedule!r}")
     elif schedule is not None:
-        raise ValueError("only the TMA forward has a choice of schedule")
+        raise ValueError("only the TMA forward and the fused dK/dV kernel take a schedule")
     if path == "fused":
-        return _fused_instance(spec, name, family, elem, hd, features)
+        return _fused_instance(spec, name, family, elem, hd, features, schedule)
     if path == "tma":
         return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule)
     if o_via_tma:
@@ -421,8 +427,8 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, sche
 
 
 def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
-    """Whether the fused backward (sm_90a) has an instance for these (the mask's right bound
-    aside: the dispatch checks it, cuflash/_dispatch.py)."""
+    """Whether the fused backward (sm_90a) has instances for these (with either schedule: the
+    dispatch picks it from the mask, cuflash/_dispatch.py)."""
     return (
         dtype in TENSOR_CORE_DTYPES
         and head_dim_bucket(head_dim) in FUSED_BACKWARD_BUCKETS
@@ -430,20 +436,20 @@ def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
     )
 
 
-def _fused_instance(spec, name, family, elem, hd, features) -> KernelSpec:
+def _fused_instance(spec, name, family, elem, hd, features, schedule) -> KernelSpec:
     if hd not in FUSED_BACKWARD_BUCKETS or features & ~FUSED_FEATURES:
         raise ValueError(f"no fused backward at head dim {hd} with features {features}")
     bm, bn, stages = FUSED_TILES
-    if family == "dq":  # a block per (batch, query head, query tile); no features
-        if features:
-            raise ValueError("the fused backward's dQ kernel has no features")
-        return spec(f"{name}<{elem}, {hd}>", FUSED_DQ_THREADS, 0, bm, 0)
+    if family == "dq":  # a block per (batch, query head, query tile)
+        return spec(f"{name}<{elem}, {hd}, {features}>", FUSED_DQ_THREADS, 0, bm, 0)
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ,
-    # lse2 and D per stage, the barriers (8 of 8 bytes with two stages), 1 KB alignment slack
+    # lse2 and D per stage, the barriers (8 of 8 bytes with two stages), the repair flags (8 of 4
+    # bytes), 1 KB alignment slack
     row_bytes = hd * 2
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + bm * hd * 4
-    smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 1024
-    expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
+    smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 4 * 8 + 1024
+    bounded = int(schedule == "bounded")
+    expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {bounded}, {features}>"
     return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)
 
 
@@ -455,8 +461,9 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
             for features in (0, FUSED_FEATURES):
-                specs.add(instance("dkdv", "fused", dt, hd, None, features))
-            specs.add(instance("dq", "fused", dt, hd))  # its dQ kernel has no features
+                for schedule in FUSED_SCHEDULES:
+                    specs.add(instance("dkdv", "fused", dt, hd, None, features, schedule=schedule))
+                specs.add(instance("dq", "fused", dt, hd, None, features))
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:
@@ -603,8 +610,8 @@ FEATURELESS_FAMILIES = (
 
 def featureless(spec: KernelSpec) -> bool:
     """Whether an instance has no FEATURES template argument: it applies no mask or modifier (the
-    families above, and the fused backward's dQ kernel, which scales sums)."""
-    return spec.family in FEATURELESS_FAMILIES or (spec.family, spec.path) == ("dq", "fused")
+    families above)."""
+    return spec.family in FEATURELESS_FAMILIES
 
 
 APPEND_THREADS = 256

@@ -1,5 +1,5 @@
-// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of dense attention without bounds: one
-// kernel computes dK, dV and dQ's partial sums from the same S and dP (5 matrix products per tile
+// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of unpacked attention with no left
+// bound (dense or causal) and no softcap: one kernel computes dK, dV and dQ's partial sums from the same S and dP (5 matrix products per tile
 // pair, where the dK/dV and dQ kernels of backward_sm90_tma.cu do 7), and a second one turns the
 // float32 sums into dQ. Deterministic: the partial sums of a query tile are added in a fixed order
 // (below), never by unordered atomics.
@@ -14,17 +14,29 @@
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
 //     in its turn: the tile's counter says how many items have added theirs.
-// The turns: the items of one (batch, KV head) that run at one time (a wave of the persistent
-// walk: item i runs as step i / G of block i % G) visit the query steps rotated, item r of the
-// wave's m starting at step r T / m (T: a query head's tiles), so that at each step they work on
-// different tiles, and each tile's turns follow the order of the visits (FusedDqOrder); items of
-// later waves come after those of earlier ones. A turn waits only for additions made at earlier
-// steps of the same wave or in earlier waves, so every wait ends. The host launches this kernel
-// only for unbounded masks (every key block adds to every query tile: no masked tiles, so no
-// repair either), whole key blocks (keys past the end of a partial block are not masked here, and
-// their dS would reach dQ) and at most group x T key blocks per head (cuflash/_dispatch.py). Bounded masks
-// (causal, windows) keep the dK/dV and dQ kernels: their tile order and repair did not fit the
-// registers here (docs/perf/NOTES.md, v21).
+// The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
+// by the shapes alone, and an item waits only for additions that come before its own.
+//   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
+//     items of one (batch, KV head) that run at one time (a wave of the persistent walk: item i
+//     runs as step i / G of block i % G) visit the query steps rotated, item r of the wave's m
+//     starting at step r T / m (T: a query head's tiles), so that at each step they work on
+//     different tiles, and each tile's turns follow the order of the visits; items of later waves
+//     come after those of earlier ones. A turn waits only for additions made at earlier steps of
+//     the same wave or in earlier waves, so every wait ends. It needs an item per start: at most
+//     group x T key blocks per head (cuflash/_dispatch.py).
+//   - A right bound (causal; "bounded", FusedBoundedOrder): key block j adds to the query tiles
+//     of its rows (mask.cuh, query_tiles), which it visits in ascending order, head by head. Within
+//     a round of the walk (paired: heavy items with light, common.cuh, WorkWalk) a tile's
+//     additions go from the last key block down, after those of earlier rounds: a single order of
+//     the items, so the waits cannot form a cycle. A later key block starts its list further down,
+//     so it reaches each tile some steps before the earlier ones do, and they seldom wait.
+// Masked tiles: pairs a query may not see get P = 0 and dS = 0, and so do the padding keys of a
+// partial last key block, whose dS would reach dQ (unbounded masks have no masked tiles: there
+// those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair rows a masked tile made
+// non-finite (repair.cuh) at the end, from the rows that are non-finite then: dK and dV in the
+// epilogue, dQ in attention_backward_dq_from_accum (tiles visit in ascending order here, not masked
+// first, so the check waits for the end; a row that is non-finite for a visible reason is
+// recomputed to the same value).
 //
 // attention_backward_dq_from_accum: dQ = scale * sums, a block per (batch, query head, query tile).
 #include "common.cuh"
@@ -35,6 +47,7 @@
 #include "tma.cuh"
 #include "backward_sm90.cuh"
 #include "backward_sm90_tma.cuh"
+#include "repair.cuh"
 
 namespace cuflash {
 
@@ -75,6 +88,100 @@ struct FusedDqOrder {
   }
 };
 
+// The turns under a right bound. Items base .. base + n - 1 share a (batch, KV head); position
+// pos = item - base holds key block n - 1 - pos / 2 (pos even) or pos / 2 (pos odd:
+// decode_paired_work). A round of the walk is G items (paired: 2 G, its even items at the round's
+// first step, its odd ones at the second). A query tile's additions: those of earlier rounds, then
+// this round's at its first step, then those at its second, each from the last key block down.
+struct FusedBoundedOrder {
+  int n, lo, hi;     // the head's positions [lo, hi) in this item's round
+  int parity;        // paired: the parity of this item's position; else -1
+  int first_parity;  // paired: the parity of the positions at the round's first step
+  static __device__ __forceinline__ FusedBoundedOrder of(i64 item, int n, bool paired) {
+    const i64 round_items = paired ? 2 * static_cast<i64>(gridDim.x) : gridDim.x;
+    const i64 base = item - item % n, round0 = item / round_items * round_items;
+    FusedBoundedOrder o;
+    o.n = n;
+    o.lo = static_cast<int>(max(round0 - base, i64(0)));
+    o.hi = static_cast<int>(min(round0 + round_items - base, static_cast<i64>(n)));
+    o.parity = paired ? static_cast<int>((item - base) & 1) : -1;
+    o.first_parity = static_cast<int>(base & 1);  // global item parity 0 is the first step
+    return o;
+  }
+  static __device__ __forceinline__ int overlap(int a0, int a1, int b0, int b1) {
+    return max(0, min(a1, b1) - max(a0, b0));
+  }
+  // Positions in [a, b) of parity `par` (-1: either) whose key block lies in [jlo, jhi].
+  __device__ __forceinline__ int blocks_in(int a, int b, int par, int jlo, int jhi) const {
+    int count = 0;
+    if (par != 1) count += overlap((a + 1) >> 1, (b + 1) >> 1, n - 1 - jhi, n - jlo);
+    if (par != 0) count += overlap(a >> 1, b >> 1, jlo, jhi + 1);
+    return count;
+  }
+  // Additions before this item's (key block `block`) to a query tile that key blocks [jlo, jhi]
+  // reach.
+  __device__ __forceinline__ int turn(int block, int jlo, int jhi) const {
+    int t = blocks_in(0, lo, -1, jlo, jhi);
+    if (parity >= 0 && parity != first_parity) t += blocks_in(lo, hi, first_parity, jlo, jhi);
+    return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi);
+  }
+};
+
+// An item's query steps (query head of the group, query tile) and the tiles' turns.
+template <bool BOUNDED>
+struct FusedSteps;
+
+template <>
+struct FusedSteps<false> {  // every query tile of every head, rotated (FusedDqOrder)
+  FusedDqOrder order;
+  int tiles_q;
+  template <typename Mask>
+  static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int, int tiles_q,
+                                                  const Mask&) {
+    return FusedSteps{FusedDqOrder::of(item, p.num_blocks, tiles_q, p.group * tiles_q), tiles_q};
+  }
+  __device__ __forceinline__ int count(int) const { return order.steps; }
+  __device__ __forceinline__ QueryStep at(int s) const {
+    const int q = order.step_at(s), head = q / tiles_q;
+    return QueryStep{head, q - head * tiles_q};
+  }
+  // No tile straddles a bound. (A partial last key block's padding keys are not masked: their
+  // rows of dK and dV are never stored, and their dS^T rows go to shared memory as zeros.)
+  __device__ __forceinline__ bool masked(int) const { return false; }
+  template <typename Mask>
+  __device__ __forceinline__ int turn(int, const QueryStep& at, const Mask&) const {
+    return order.turn(at.head * tiles_q + at.tile);
+  }
+};
+
+template <>
+struct FusedSteps<true> {  // the tiles of the block's rows, ascending, head by head
+  TileRange tiles;
+  FusedBoundedOrder order;  // the writer's (dead code elsewhere)
+  template <typename Mask>
+  static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int block, int,
+                                                  const Mask& mask) {
+    FusedSteps s{mask.query_tiles(block * FUSED_BN, FUSED_BN, FUSED_BM),
+                 FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0)};
+    // the last key block, with padding keys: every tile masked
+    if ((block + 1) * FUSED_BN > mask.nk) s.tiles.full_begin = s.tiles.end;
+    return s;
+  }
+  __device__ __forceinline__ int count(int group) const { return group * tiles.count(); }
+  __device__ __forceinline__ QueryStep at(int s) const {
+    const int len = tiles.count(), head = s / len;
+    return QueryStep{head, tiles.begin + s - head * len};
+  }
+  // The tile straddles the bound: with no left bound (the kernel's instances), every tile from
+  // full_begin on is whole (mask.cuh, query_tiles: full_end = end).
+  __device__ __forceinline__ bool masked(int tile) const { return tile < tiles.full_begin; }
+  template <typename Mask>
+  __device__ __forceinline__ int turn(int block, const QueryStep& at, const Mask& mask) const {
+    const TileRange blocks = mask.key_tiles(at.tile * FUSED_BM, FUSED_BM, FUSED_BN);
+    return order.turn(block, blocks.begin, blocks.end - 1);
+  }
+};
+
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -100,26 +207,80 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const void* src, uns
                : "memory");
 }
 
+// Under a bound, after the last item: the dK and dV rows of this warp's keys in every item of the
+// block's walk that hold a non-finite value, recomputed (repair.cuh). From the stored rows, so that
+// the main loop carries one flag rather than this code's registers (inlined in the loop's
+// epilogue, it pushed the consumers into spills); a row that is non-finite for a visible reason is
+// recomputed to the same value.
+template <typename Elem, int HD, int BN, typename Mask, typename Mod>
+__device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWalk<false>& walk,
+                                                  int key_row0, int lane) {
+  constexpr int CPL = HD / 32;  // columns per lane
+  const float scale = static_cast<float>(p.scale);
+#pragma unroll 1
+  for (int step = 0; !walk.done(step); ++step) {
+    const i64 item = walk.item(step);
+    if (item >= walk.num_work) continue;
+    const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
+    const Seq<false> seq = Seq<false>::of(p, bc.batch);
+    unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, bc.head);
+    unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, bc.head);
+    const int key0 = bc.block * BN + key_row0;
+    // row rl's flag at bit (rl / 8) % 2 of lane 4 (rl % 8), as row_flag reads it
+    unsigned rows = 0;
+#pragma unroll 1
+    for (int rl = 0; rl < 16; ++rl) {
+      const int j = key0 + rl;
+      bool bad = false;
+      if (j < p.seq_k) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+          const int col = lane + 32 * c;
+          if (col < p.head_dim) {
+            const float a = ElemTraits<Elem>::to_acc(dk_head[j * p.dk.seq + col]);
+            const float b = ElemTraits<Elem>::to_acc(dv_head[j * p.dv.seq + col]);
+            bad |= !is_finite_f32(a) | !is_finite_f32(b);
+          }
+        }
+      }
+      if (__any_sync(0xffffffffu, bad) && lane == 4 * (rl & 7)) rows |= 1u << ((rl >> 3) & 1);
+    }
+    if (__any_sync(0xffffffffu, rows != 0))
+      recompute_dkdv_rows<Elem, HD, HD, Mod>(
+          dk_head + key0 * p.dk.seq, dv_head + key0 * p.dv.seq, p.dk.seq, p.head_dim, rows, scale,
+          scale * 1.4426950408889634f, p, seq, bc.head,
+          seq.template k_rows<const unsigned short>(p.k, bc.head),
+          seq.template k_rows<const unsigned short>(p.v, bc.head), key0, 0, Mask::of(p, seq.ext),
+          lane);
+  }
+}
+
 template <int STAGES>
 struct FusedBarriers {
   unsigned long long kv_full, kv_empty;  // K and V of a work item
   unsigned long long q_full[STAGES], q_empty[STAGES];
   unsigned long long dq_full, dq_empty;  // the staging tile of dQ partial sums
+  // bounded masks: some dK or dV row of consumer warp w was non-finite (repair_fused_dkdv); in
+  // shared memory rather than a register live through the main loop, where ALiBi's spilled
+  int repair[8];
 };
 
-template <typename Elem, int HD, int BM, int BN, int STAGES, int FEATURES>
+// BOUNDED: the mask has a right bound (causal); the host picks the instance.
+template <typename Elem, int HD, int BM, int BN, int STAGES, bool BOUNDED, int FEATURES>
 __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     attention_backward_fused_tma(const __grid_constant__ BackwardMaps maps,
                                  const __grid_constant__ Params p) {
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  static_assert(!F::SOFTCAP && !F::PACKED && !F::LOCAL, "dense, unbounded masks only");
-  static_assert(HD == 128 && BM == FUSED_BM && BN == 128, "two consumers of 64 keys, 64-row tiles");
+  typedef FusedSteps<BOUNDED> Steps;
+  static_assert(!F::SOFTCAP && !F::PACKED && !F::LOCAL, "no softcap, packing or left bound");
+  static_assert(HD == 128 && BM == FUSED_BM && BN == FUSED_BN, "two consumers of 64 keys, 64 rows");
   constexpr int CONSUMERS = BN / 64, NT_DQ = HD / CONSUMERS / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static_assert(4 * CONSUMERS <= 8, "a repair flag per consumer warp");
   // Registers: the producer warpgroup's two working warps need more than the 24 of
   // WarpSpecialisedRegisters (it spilled 152 B there); the consumers fit in 232.
   constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
@@ -138,8 +299,9 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   FusedBarriers<STAGES>& bar = *reinterpret_cast<FusedBarriers<STAGES>*>(s_delta + STAGES * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const WorkWalk<false> walk{p.num_work, false};
-  const int tiles_q = ceil_div(p.seq_q, BM), steps = p.group * tiles_q;
+  // the host pairs heavy items with light ones under a right bound (p.paired)
+  const WorkWalk<false> walk{p.num_work, BOUNDED && p.paired != 0};
+  const int tiles_q = ceil_div(p.seq_q, BM);
 
   if (threadIdx.x == 0) {
     mbar_init(&bar.kv_full, 1);
@@ -148,6 +310,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS);
     mbar_init(&bar.dq_full, 4 * CONSUMERS);  // lane 0 of every consumer warp
     mbar_init(&bar.dq_empty, 1);             // the writer
+    for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     fence_barrier_init();
   }
   __syncthreads();
@@ -155,23 +318,24 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   if (warp < 4) {  // producer warpgroup: warp 0 loads, warp 1 writes dQ, the others leave
     warpgroup_release_registers<PRODUCER_REGISTERS>();
     if (warp == 0) {
-      int pipe = 0, round = 0;
+      int pipe = 0;  // query steps so far; the items so far are `step` (as the consumers')
       for (int step = 0; !walk.done(step); ++step) {
         const i64 item = walk.item(step);
         if (item >= walk.num_work) continue;
         const WorkItem<false> work = work_item<false>(p, item, p.heads_kv);
         const BlockCoords bc = work.c;
-        const FusedDqOrder order = FusedDqOrder::of(item, p.num_blocks, tiles_q, steps);
-        mbar_wait(&bar.kv_empty, (round & 1) ^ 1);
-        ++round;
+        const Steps steps = Steps::of(p, item, bc.block, tiles_q, Mask::of(p, work.seq.ext));
+        mbar_wait(&bar.kv_empty, (step & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&bar.kv_full, 2 * KEYS_BYTES);
           tma_load_tile<BN, HD>(sK, &maps.k, &bar.kv_full, bc.block * BN, bc.head, bc.batch);
           tma_load_tile<BN, HD>(sV, &maps.v, &bar.kv_full, bc.block * BN, bc.head, bc.batch);
         }
-        for (int s = 0; s < steps; ++s, ++pipe) {
-          const int stage = pipe % STAGES, q = order.step_at(s);
-          const int head = bc.head * p.group + q / tiles_q, m0 = (q % tiles_q) * BM;
+        const int count = steps.count(p.group);
+        for (int s = 0; s < count; ++s, ++pipe) {
+          const int stage = pipe % STAGES;
+          const QueryStep at = steps.at(s);
+          const int head = bc.head * p.group + at.head, m0 = at.tile * BM;
           mbar_wait(&bar.q_empty[stage], ((pipe / STAGES) & 1) ^ 1);
           if (lane == 0) {
             mbar_arrive_expect_tx(&bar.q_full[stage], 2 * ROWS_BYTES);
@@ -191,18 +355,21 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
         const i64 item = walk.item(step);
         if (item >= walk.num_work) continue;
         const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
-        const FusedDqOrder order = FusedDqOrder::of(item, p.num_blocks, tiles_q, steps);
-        // query step q of the item is tile first_tile + q of the counters and sums
+        const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
+        const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
+        // query tile t of head h of the group is tile first_tile + h T + t of the counters and sums
         const i64 first_tile = (static_cast<i64>(bc.batch) * p.heads_q + bc.head * p.group) * tiles_q;
-        for (int s = 0; s < steps; ++s, ++staged) {
-          const int q = order.step_at(s);
+        const int count = steps.count(p.group);
+        for (int s = 0; s < count; ++s, ++staged) {
+          const QueryStep at = steps.at(s);
+          const i64 tile = first_tile + at.head * tiles_q + at.tile;
           mbar_wait(&bar.dq_full, staged & 1);
-          const int turn = order.turn(q);
-          int* counter = p.dq_semaphores + first_tile + q;
+          const int turn = steps.turn(bc.block, at, mask);
+          int* counter = p.dq_semaphores + tile;
           while (load_acquire(counter) != turn) {
           }
           fence_proxy_async_global();  // the earlier turns' additions before this one
-          float* sums = p.dq_accum + (first_tile + q) * (FUSED_BM * HD);
+          float* sums = p.dq_accum + tile * (FUSED_BM * HD);
           if (turn == 0) bulk_store(sums, sdQ, DQ_BYTES);
           else bulk_reduce_add(sums, sdQ, DQ_BYTES);
           bulk_commit();
@@ -226,37 +393,45 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   keys.sK = sK;
   keys.sV = sV;
-  int pipe = 0, round = 0, staged = 0;
+  // pipe: the query steps so far (the stages' and the staging tile's phases); the items so far are
+  // `step` (items past the list come only at the walk's end)
+  int pipe = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= walk.num_work) continue;
     const WorkItem<false> work = work_item<false>(p, item, p.heads_kv);
     const int n0 = work.c.block * BN;
-    const FusedDqOrder order = FusedDqOrder::of(item, p.num_blocks, tiles_q, steps);
+    // masked tiles: those that straddle a bound, and every tile of a partial last key block,
+    // whose padding keys' dS would reach dQ
+    const Steps steps = Steps::of(p, item, work.c.block, tiles_q, Mask::of(p, work.seq.ext));
     keys.key0 = n0 + key_row0 + (lane >> 2);
     keys.clear();
-    mbar_wait(&bar.kv_full, round & 1);
-    ++round;
-    for (int s = 0; s < steps; ++s, ++pipe, ++staged) {
-      const int stage = pipe % STAGES, q = order.step_at(s);
-      const int m0 = (q % tiles_q) * BM;
+    mbar_wait(&bar.kv_full, step & 1);
+    const int count = steps.count(p.group);
+    for (int s = 0; s < count; ++s, ++pipe) {
+      const int stage = pipe % STAGES;
+      const QueryStep at = steps.at(s);
       mbar_wait(&bar.q_full[stage], (pipe / STAGES) & 1);
       if constexpr (Mod::ANY) {
-        const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
-        keys.mod = Mod::of(p, bc.batch, bc.head * p.group + q / tiles_q, static_cast<float>(p.scale),
-                           work.seq.ext);
+        keys.mod = Mod::of(p, work.c.batch, work.c.head * p.group + at.head,
+                           static_cast<float>(p.scale), work.seq.ext);
       }
       const unsigned char* q_tile = sQ + stage * ROWS_BYTES;
       const unsigned char* do_tile = sdO + stage * ROWS_BYTES;
       typename Keys::Frags f;
       keys.issue_scores(q_tile, do_tile);
       wgmma_wait<0>();
-      keys.probabilities(false, m0, s_lse2 + stage * BM, s_delta + stage * BM, f,
-                         Mask::of(p, work.seq.ext));
+      // two copies: the unmasked tiles' (nearly all) without the mask's code
+      if (steps.masked(at.tile))
+        keys.probabilities(true, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
+                           Mask::of(p, work.seq.ext));
+      else
+        keys.probabilities(false, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
+                           Mask::of(p, work.seq.ext));
       // dS^T of this warp's 16 keys into rows 64 wg + 16 w .. of one of two tiles, in turn: the
       // last products that read this one (two tiles back) were waited for before the other
       // consumer passed the barrier below on the previous tile.
-      unsigned char* ds_tile = sdS + (staged & 1) * DS_BYTES;
+      unsigned char* ds_tile = sdS + (pipe & 1) * DS_BYTES;
       {
         const int mi = lane >> 3, row = key_row0 + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
@@ -265,6 +440,18 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
           stmatrix_x4(ds_tile + row * 128 + ((chunk ^ (row & 7)) << 4), f.dst[kk][0], f.dst[kk][1],
                       f.dst[kk][2], f.dst[kk][3]);
         }
+      }
+      // Without a bound, the padding keys of a partial last block are not masked: their dS^T rows
+      // are overwritten with zeros, so that no P overflowed to inf meets K's zero rows in dQ
+      // (inf x 0). Out of the main path: the other items' stores stay as they are.
+      if (!BOUNDED && n0 + BN > p.seq_k) {
+        __syncwarp();  // the warp's stmatrix before the zeros
+        const int pad0 = max(0, p.seq_k - n0 - key_row0);  // this warp's first padding row
+#pragma unroll
+        for (int i = lane; i < 16 * 8; i += 32)  // 16 rows of 8 chunks of 16 bytes
+          if (i / 8 >= pad0)
+            *reinterpret_cast<uint4*>(ds_tile + (key_row0 + i / 8) * 128 + (i % 8) * 16) =
+                make_uint4(0, 0, 0, 0);
       }
       fence_proxy_async();
       named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
@@ -287,7 +474,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
       // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
       // reads this order).
-      mbar_wait(&bar.dq_empty, (staged & 1) ^ 1);
+      mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
 #pragma unroll
       for (int nt = 0; nt < NT_DQ; ++nt)
         reinterpret_cast<float4*>(sdQ)[(wg * NT_DQ + nt) * 128 + tid] =
@@ -299,43 +486,75 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(&bar.kv_empty);
 
-    // Epilogue: dK = scale * acc_dk and dV, from registers.
+    // Epilogue: dK = scale * acc_dk and dV, from registers; under a bound, rows that are
+    // non-finite now (a masked tile may have made them so: 0 x NaN) are flagged for the repair.
     const float scale = static_cast<float>(p.scale);
     const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
     const Seq<false> seq = Seq<false>::of(p, bc.batch);
     unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, bc.head);
     unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, bc.head);
     const int key0 = n0 + key_row0;
+    if constexpr (BOUNDED)
+      if (__any_sync(0xffffffffu, nonfinite_rows(keys.acc_dk, keys.acc_dv) != 0) && lane == 0)
+        bar.repair[warp - 4] = 1;
     store_accumulator_rows<Elem, Keys::NT_D>(dk_head, p.dk.seq, key0, p.seq_k, d, keys.acc_dk, scale,
                                              lane);
     store_accumulator_rows<Elem, Keys::NT_D>(dv_head, p.dv.seq, key0, p.seq_k, d, keys.acc_dv, 1.f,
                                              lane);
   }
+  __syncwarp();
+  if (BOUNDED && bar.repair[warp - 4]) {  // rare: a NaN or Inf
+    repair_fused_dkdv<Elem, HD, BN, Mask, Mod>(p, walk, key_row0, lane);
+  }
 }
 
 // dQ = scale * sums: a block of 128 threads per (batch, query head, query tile). Thread tid reads
 // the float4s that consumer thread tid of each warpgroup staged: together the 16-row accumulator
-// of its warp's rows in the mma layout (mma.cuh), stored as the dQ kernels store theirs.
-template <typename Elem, int HD>
+// of its warp's rows in the mma layout (mma.cuh), stored as the dQ kernels store theirs. A tile
+// that no key block reaches (rows that see no key) has no sums: dQ = 0 there. Where the tile meets
+// a masked key block, rows that are non-finite are recomputed (repair.cuh).
+template <typename Elem, int HD, int FEATURES>
 __global__ void __launch_bounds__(128) attention_backward_dq_from_accum(const __grid_constant__ Params p) {
+  typedef Features<FEATURES> F;
+  typedef typename F::Mask Mask;
+  typedef typename F::template ScoreMod<> Mod;
   // staged float4 (wg, nt) of thread tid, at (wg * NT_D / 2 + nt) * 128 + tid, is column tile
   // wg * NT_D / 2 + nt of its rows
   constexpr int NT_D = HD / 8;
-  const int tiles_q = ceil_div(p.seq_q, FUSED_BM);
+  const int tiles_q = ceil_div(p.seq_q, FUSED_BM), lane = threadIdx.x & 31;
   const i64 index = blockIdx.x;
   const int tile = static_cast<int>(index % tiles_q);
   const i64 bh = index / tiles_q;
   const int batch = static_cast<int>(bh / p.heads_q), head = static_cast<int>(bh % p.heads_q);
+  const Seq<false> seq = Seq<false>::of(p, batch);
+  const Mask mask = Mask::of(p, seq.ext);
+  const TileRange blocks = mask.key_tiles(tile * FUSED_BM, FUSED_BM, FUSED_BN);
   const float4* sums = reinterpret_cast<const float4*>(p.dq_accum + index * (FUSED_BM * HD));
-  float acc[NT_D][4];
+  float acc[1][NT_D][4];
 #pragma unroll
   for (int nt = 0; nt < NT_D; ++nt) {
-    const float4 v = sums[nt * 128 + threadIdx.x];
-    acc[nt][0] = v.x, acc[nt][1] = v.y, acc[nt][2] = v.z, acc[nt][3] = v.w;
+    const float4 v = blocks.count() > 0 ? sums[nt * 128 + threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[0][nt][0] = v.x, acc[0][nt][1] = v.y, acc[0][nt][2] = v.z, acc[0][nt][3] = v.w;
   }
-  store_accumulator_rows<Elem, NT_D>(head_ptr<unsigned short>(p.dq, batch, head), p.dq.seq,
-                                     tile * FUSED_BM + (threadIdx.x >> 5) * 16, p.seq_q,
-                                     p.head_dim, acc, static_cast<float>(p.scale), threadIdx.x & 31);
+  const float scale = static_cast<float>(p.scale);
+  const int row0 = tile * FUSED_BM + (threadIdx.x >> 5) * 16;
+  unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, head);
+  store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, p.seq_q, p.head_dim, acc[0], scale,
+                                     lane);
+  if (blocks.masked() == 0) return;  // no masked tile: every non-finite value is the inputs'
+  const unsigned repair = nonfinite_rows(acc);
+  if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf
+    __syncwarp();
+    const int kv_head = head / p.group;
+    recompute_dq_rows<Elem, HD, 1>(
+        dq_head + row0 * p.dq.seq, p.dq.seq, p.head_dim, repair, scale,
+        scale * 1.4426950408889634f, seq.template q_rows<const unsigned short>(p.q, head),
+        seq.template q_rows<const unsigned short>(p.dout, head),
+        seq.template k_rows<const unsigned short>(p.k, kv_head),
+        seq.template k_rows<const unsigned short>(p.v, kv_head),
+        seq.template q_rows<const float>(p.lse, head), seq.template q_rows<const float>(p.delta, head),
+        row0, mask, Mod::of(p, batch, head, scale, seq.ext), p.head_dim, lane);
+  }
 }
 
 }  // namespace cuflash

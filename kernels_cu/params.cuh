@@ -67,8 +67,9 @@ struct Params {
   i64 list_base;      // packed persistent kernels: the first entry (the header) of their work list
 };
 
-// Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores).
-constexpr int FUSED_BM = 64;
+// Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores), and the
+// keys of a work item of the fused backward (backward_sm90_fused.cu).
+constexpr int FUSED_BM = 64, FUSED_BN = 128;
 
 // Row 0 of head `head` of sequence `batch` of a tensor, as T: 64-bit offsets throughout.
 template <typename T>

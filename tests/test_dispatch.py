@@ -148,11 +148,19 @@ def test_features_of_a_problem_pick_the_instances():
     mods = problem(head_dim=128, window=(100, 3), softcap=30.0, alibi=True)
     assert _dispatch.features(mods) == 7
     # windows keep the TMA kernels; the softcap runs its backward on mma.sync (Hopper's backward
-    # kernels have no registers for it) and its forward on TMA; ALiBi keeps the TMA backward at
-    # d = 128, where it does not spill, and takes the wgmma one at d = 64
-    alibi = problem(head_dim=128, alibi=True)
+    # kernels have no registers for it) and its forward on TMA; ALiBi takes the fused backward at
+    # d = 128 (the split TMA kernels where asked), and the wgmma one at d = 64
+    alibi = problem(head_dim=128, alibi=True, window=(None, None))
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
+    assert launches.dkdv.aligned.spec.features == launches.dq.aligned.spec.features == 4
+    split = KernelChoice(backward="split")
+    launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132, split)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
+    alibi = problem(head_dim=128, alibi=True, heads_q=2)  # causal, no grouped heads
+    launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
+    assert launches.dkdv.aligned.spec.schedule == "bounded"
     alibi = problem(head_dim=64, alibi=True)
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "wgmma"
@@ -222,7 +230,7 @@ def test_packed_calls_take_the_tma_forward_over_the_packed_tensors():
     assert with_alibi.dkdv.aligned.spec.path != "tma" and with_alibi.dq.aligned.spec.path != "tma"
 
 
-def test_the_fused_backward_serves_dense_unbounded_calls_at_d_128():
+def test_the_fused_backward_serves_dense_and_causal_calls_at_d_128():
     p = problem(head_dim=128, seq_q=1000, seq_k=1024, window=(None, None))
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
     assert (chosen.dkdv.aligned.spec.path, chosen.dq.aligned.spec.path) == ("fused", "fused")
@@ -242,19 +250,36 @@ def test_the_fused_backward_serves_dense_unbounded_calls_at_d_128():
     assert _dispatch.backward(p, strides_of(p), "sm_80", 132).dkdv.aligned.spec.path == "mma"
     # unaligned strides: no TMA, so no fused backward either
     assert _dispatch.backward(p, strides_of(p, 1), "sm_90a", 132).dkdv.aligned.spec.path != "fused"
+    assert chosen.dkdv.aligned.spec.schedule == "rotated"
+    assert chosen.dkdv.aligned.spec.name_expression.endswith("2, 0, 0>")
+    # a partial last key block, and more key blocks than query steps under a right bound
+    for change in (dict(seq_k=1000), dict(seq_q=64, seq_k=1024, window=(None, 0), heads_q=2)):
+        assert _dispatch.fused_backward_fits(replace(p, **change))
+
+
+@pytest.mark.parametrize("window", [(None, 0), (None, 5)])
+def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(window):
+    p = problem(head_dim=128, seq_q=1000, seq_k=1100, window=window, heads_q=2)
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+    dkdv, dq = chosen.dkdv.aligned, chosen.dq.aligned
+    assert (dkdv.spec.path, dq.spec.path) == ("fused", "fused")
+    assert dkdv.spec.schedule == "bounded" and dkdv.paired
+    assert dkdv.spec.name_expression.endswith("2, 1, 0>")
+    assert dq.spec.name_expression.endswith(", 0>")
+    assert _dispatch.backward_workspace(p).accum > 0
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        dict(window=(None, 0)),  # causal
-        dict(window=(100, None)),
-        dict(window=(None, 5)),
+        dict(window=(100, None)),  # a left bound
+        dict(window=(100, 0)),
         dict(head_dim=64),
         dict(head_dim=256),
         dict(dtype="float32"),
-        dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head
-        dict(seq_k=1000),  # a partial last key block
+        dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head, no bound
+        dict(softcap=30.0),
+        dict(window=(None, 0)),  # grouped heads (8 / 2) under a right bound
     ],
 )
 def test_the_fused_backward_leaves_the_other_calls(change):
@@ -313,3 +338,108 @@ def test_the_fused_backwards_turns_are_a_schedule_without_waits_on_later_work(
             assert [schedule[i][1][q] for i in by_turn] == list(range(n))
             when = [(i // grid, schedule[i][0].index(q)) for i in by_turn]
             assert when == sorted(when) and len(set(when)) == n
+
+
+def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: int, jhi: int) -> int:
+    """The mirror of FusedBoundedOrder::turn (kernels_cu/backward_sm90_fused.cu)."""
+    round_items = 2 * grid if paired else grid
+    base, round0 = item - item % n, item // round_items * round_items
+    lo, hi = max(round0 - base, 0), min(round0 + round_items - base, n)
+    parity = (item - base) & 1 if paired else -1
+    first_parity = base & 1
+
+    def blocks_in(a, b, par, jl, jh):
+        # positions in [a, b) of parity par whose key block (decode_paired_work) is in [jl, jh]
+        counted = sum(
+            1
+            for pos in range(a, b)
+            if (par < 0 or pos & 1 == par)
+            and jl <= ((pos >> 1) if pos & 1 else n - 1 - (pos >> 1)) <= jh
+        )
+
+        # the kernel's closed form
+        def overlap(a0, a1, b0, b1):
+            return max(0, min(a1, b1) - max(a0, b0))
+
+        closed = overlap((a + 1) >> 1, (b + 1) >> 1, n - 1 - jh, n - jl) if par != 1 else 0
+        closed += overlap(a >> 1, b >> 1, jl, jh + 1) if par != 0 else 0
+        assert closed == counted
+        return counted
+
+    t = blocks_in(0, lo, -1, jlo, jhi)
+    if parity >= 0 and parity != first_parity:
+        t += blocks_in(lo, hi, first_parity, jlo, jhi)
+    return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi)
+
+
+@pytest.mark.parametrize(
+    "nq,nk,right,group,heads,grid",
+    [
+        (1000, 1000, 0, 1, 3, 132),  # causal
+        (1000, 1000, 0, 4, 2, 7),
+        (512, 1100, 0, 2, 5, 6),  # more keys than queries: the first blocks see every row
+        (1100, 300, 0, 1, 4, 3),  # more queries: the first rows see no key
+        (700, 700, 130, 3, 3, 5),  # a right bound past the diagonal
+        (64, 1024, 0, 1, 9, 4),  # one query tile, eight key blocks
+        (257, 129, 0, 2, 7, 132),  # partial blocks and tiles
+    ],
+)
+def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
+    nq, nk, right, group, heads, grid
+):
+    # The kernel's walk (common.cuh, WorkWalk, paired), lists (ascending query tiles of the block's
+    # rows, head by head) and turns, run step by step: every turn of a tile comes once, every wait
+    # ends, and the tiles that get sums are those the dQ pass reads (key_tiles(...).count > 0).
+    from cuflash._mask import Mask
+
+    bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+    mask = Mask.of(nq, nk, (None, right))
+    n, tiles_q = -(-nk // bn), -(-nq // bm)
+    num_work = heads * n
+
+    def steps_of(item):
+        pos = item % n
+        block = (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
+        t = mask.query_tiles(block * bn, bn, bm)
+        out = []
+        for h in range(group):
+            for q in range(t.begin, t.end):
+                keys = mask.key_tiles(q * bm, bm, bn)
+                assert keys.begin <= block < keys.end
+                tile = ((item // n) * group + h, q)
+                turn = bounded_turn(item, n, grid, True, block, keys.begin, keys.end - 1)
+                out.append((tile, turn))
+        return out
+
+    queues = []  # every block's items in walk order, each a list of (tile, turn)
+    for b in range(grid):
+        walk, step = [], 0
+        while 2 * grid * (step >> 1) < num_work:
+            item = 2 * grid * (step >> 1) + 2 * b + (step & 1)
+            if item < num_work:
+                walk += steps_of(item)
+            step += 1
+        queues.append(walk)
+    turns = {}
+    for walk in queues:
+        for tile, turn in walk:
+            turns.setdefault(tile, []).append(turn)
+    for tile, got in turns.items():
+        assert sorted(got) == list(range(len(got))), tile
+    reached = {
+        (hq, q)
+        for hq in range(heads * group)
+        for q in range(tiles_q)
+        if mask.key_tiles(q * bm, bm, bn).count > 0
+    }
+    assert set(turns) == reached
+    counters = dict.fromkeys(turns, 0)
+    at = [0] * grid
+    while any(at[b] < len(queues[b]) for b in range(grid)):
+        moved = False
+        for b in range(grid):
+            while at[b] < len(queues[b]) and counters[queues[b][at[b]][0]] == queues[b][at[b]][1]:
+                counters[queues[b][at[b]][0]] += 1
+                at[b] += 1
+                moved = True
+        assert moved, "a wait that never ends"

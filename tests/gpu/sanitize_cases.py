@@ -31,16 +31,18 @@ from cuflash._dispatch import KernelChoice
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def inputs(gen, dtype, d: int, aligned: bool, rows_q: tuple, rows_k: tuple) -> list:
-    """q, k, v, dO of shapes (*rows_q, 4, d) and (*rows_k, 2, d); unaligned: row pitch d + 1, the
-    data one element in (the kernels for any strides)."""
+def inputs(
+    gen, dtype, d: int, aligned: bool, rows_q: tuple, rows_k: tuple, kv_heads: int = 2
+) -> list:
+    """q, k, v, dO of shapes (*rows_q, 4, d) and (*rows_k, kv_heads, d); unaligned: row pitch
+    d + 1, the data one element in (the kernels for any strides)."""
 
     def make(rows: tuple, h: int) -> torch.Tensor:
         width = d if aligned else d + 1
         x = torch.randn(*rows, h, width, generator=gen, device="cuda").to(dtype)
         return x if aligned else x[..., 1:]
 
-    return [make(rows_q, 4), make(rows_k, 2), make(rows_k, 2), make(rows_q, 4)]
+    return [make(rows_q, 4), make(rows_k, kv_heads), make(rows_k, kv_heads), make(rows_q, 4)]
 
 
 def mod_options(causal: bool, mods: str, gen, slopes_shape: tuple) -> dict:
@@ -64,12 +66,13 @@ def run(
     nq: int = 67,
     nk: int = 45,
     mods: str = "",
+    kv_heads: int = 2,
 ) -> None:
     """mods: "" (none), "window" (a sliding window: the LOCAL instances), "alibi" (window and
-    ALiBi: the Hopper backward kernels take it), "alibi_dense" (ALiBi alone: not causal, the
+    ALiBi: the Hopper backward kernels take it), "alibi_dense" (ALiBi alone, no window: the
     fused backward at d = 128) or "all" (window, softcap and ALiBi)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
-    q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk))
+    q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk), kv_heads)
     options = mod_options(causal, mods, gen, (2, 4))
     o, lse, _ = testing.attention_forward_with(choice, q, k, v, **options)
     dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
@@ -231,9 +234,12 @@ def main() -> int:
             count += 4
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
-                # the fused backward (d = 128, not causal): several key blocks and query tiles
+                # the fused backward (d = 128): several key blocks and query tiles, a partial
+                # last key block, and causal (no grouped heads) with rows that see no key
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
-                count += 2
+                run(choice, dtype, d, True, True, nq=300, nk=200, mods="alibi_dense", kv_heads=4)
+                run(choice, dtype, d, True, aligned=True, nq=200, nk=450, kv_heads=4)
+                count += 4
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):

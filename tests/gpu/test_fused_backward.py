@@ -1,7 +1,8 @@
 """The fused Hopper backward (kernels_cu/backward_sm90_fused.cu): which calls take it, its results
-against the float64 reference over shapes, grouped heads, layouts, strides and ALiBi, its bitwise
-determinism, and the ordered additions of dQ's sums when a head's key blocks span several waves
-of the persistent grid. Skipped on GPUs other than sm_90."""
+against the float64 reference over shapes, grouped heads, layouts, strides, causal masks, partial
+key blocks and ALiBi, its bitwise determinism, the ordered additions of dQ's sums when a head's
+key blocks span several waves of the persistent grid, and non-finite inputs (the repair of what a
+masked tile made non-finite). Skipped on GPUs other than sm_90."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ def fused_cases(draw):
     two_d = layout == "2d"
     batch = 1 if two_d else draw(st.integers(1, 3))
     heads_kv = 1 if two_d else draw(st.integers(1, 3))
-    group = 1 if two_d else draw(st.sampled_from([1, 2, 4, 8]))
+    causal = draw(st.booleans())
+    # grouped heads under a bound keep the split kernels (fused_backward_fits): fewer of them
+    groups = [1, 1, 1, 2] if causal else [1, 2, 4, 8]
+    group = 1 if two_d else draw(st.sampled_from(groups))
     seq = st.one_of(st.integers(1, 70), st.integers(1, 700), st.integers(600, 1500))
     seq_q = draw(seq)
-    seq_k = 128 * draw(st.integers(1, 12))  # whole key blocks (fused_backward_fits)
+    seq_k = draw(st.one_of(seq, st.integers(1, 12).map(lambda blocks: 128 * blocks)))
     return Case(
         batch=batch,
         heads_kv=heads_kv,
@@ -48,7 +52,7 @@ def fused_cases(draw):
         head_dim=draw(st.sampled_from([128, 120, 104, 112])),  # the bucket of 128
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
-        causal=False,
+        causal=causal,
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
         storage=draw(st.sampled_from(["contiguous", "views"])),  # TMA-readable
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -63,7 +67,7 @@ def test_fused_backward_against_the_reference(case):
     paths = backward_paths(plans)
     if _dispatch.fused_backward_fits(plans[1].p):
         assert paths == ("fused", "fused"), case
-    else:  # more key blocks than query steps
+    else:  # more key blocks than query steps without a bound, grouped heads under one
         assert "fused" not in paths, case
 
 
@@ -78,28 +82,34 @@ def test_fused_backward_against_the_reference(case):
         (2, 3, 2, 4096, 4096),
     ],
 )
-def test_turns_across_waves(shape):
+@pytest.mark.parametrize("causal", [False, True])
+def test_turns_across_waves(shape, causal):
     batch, heads_kv, group, seq_q, seq_k = shape
-    case = Case(
-        batch, heads_kv, group, seq_q, seq_k, 128, "bfloat16", "bshd", False, None, "contiguous", 11
-    )
+    if causal:  # the fused backward takes no grouped heads under a bound: as many KV heads
+        heads_kv, group = heads_kv * group, 1
+    shape = (batch, heads_kv, group, seq_q, seq_k, 128)
+    case = Case(*shape, "bfloat16", "bshd", causal, None, "contiguous", 11)
     plans = check_case(case, "fused waves", FUSED)
     assert backward_paths(plans) == ("fused", "fused")
 
 
-def test_fused_backward_is_deterministic_and_the_default():
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_backward_is_deterministic_and_the_default(causal):
     import cuflash
 
     gen = torch.Generator(device="cuda").manual_seed(5)
+    kv_heads = 8 if causal else 2  # no grouped heads under a bound (fused_backward_fits)
     q, do = (torch.randn(2, 3000, 8, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (torch.randn(2, 3072, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    o, lse = cuflash.attention_forward(q, k, v)
-    first = cuflash.attention_backward(do, q, k, v, o, lse)
+    k, v = (
+        torch.randn(2, 3072, kv_heads, 128, generator=gen, device="cuda").bfloat16() for _ in "ab"
+    )
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    first = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
     for _ in range(3):
-        again = cuflash.attention_backward(do, q, k, v, o, lse)
+        again = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    fused = testing.attention_backward_with(FUSED, do, q, k, v, o, lse)
-    split = testing.attention_backward_with(SPLIT, do, q, k, v, o, lse)
+    fused = testing.attention_backward_with(FUSED, do, q, k, v, o, lse, causal=causal)
+    split = testing.attention_backward_with(SPLIT, do, q, k, v, o, lse, causal=causal)
     assert backward_paths((None, fused[3])) == ("fused", "fused")
     assert backward_paths((None, split[3])) == ("tma", "tma")
     assert all(torch.equal(a, b) for a, b in zip(first, fused[:3], strict=True))
@@ -112,17 +122,15 @@ def test_fused_backward_is_deterministic_and_the_default():
 @pytest.mark.parametrize(
     "causal,window,softcap,seq_k",
     [
-        (True, None, None, 500),
         (False, (64, 64), None, 500),
+        (True, (64, None), None, 500),
         (False, None, 5.0, 500),
-        (False, (None, 3), None, 500),
         (False, None, None, 20000),
-        (False, None, None, 333),  # a partial last key block
     ],
 )
 def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
-    # bounded masks, the softcap, more key blocks than query steps (group x query tiles), and
-    # a partial last key block
+    # a left bound (windows), the softcap, and more key blocks than query steps (group x query
+    # tiles) without a bound
     case = Case(
         1,
         2,
@@ -143,28 +151,35 @@ def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
     assert "fused" not in backward_paths(plans)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "where,value",
-    [("q", float("nan")), ("k", float("nan")), ("v", float("nan")), ("do", float("nan"))],
+    [("q", float("nan")), ("k", float("nan")), ("v", float("inf")), ("do", float("nan"))],
 )
-def test_a_nonfinite_input_reaches_what_depends_on_it(where, value):
+def test_a_nonfinite_input_reaches_what_depends_on_it(where, value, causal):
     # Without a mask every key meets every query in the products, so a non-finite element reaches
-    # exactly what the float64 reference says (no repair needed), and the rest stays as accurate.
+    # exactly what the float64 reference says. Causal: pairs a query may not see still meet in
+    # the diagonal tiles' products (P = 0, dS = 0: 0 x NaN), and the repair recomputes the rows
+    # they made non-finite, so the outcome is again the reference's.
     import numpy as np
 
     import cuflash
     from cuflash import reference
 
     gen = torch.Generator(device="cuda").manual_seed(8)
+    kv_heads = 4 if causal else 2  # no grouped heads under a bound (fused_backward_fits)
     q, do = (torch.randn(1, 300, 4, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (torch.randn(1, 384, 2, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (
+        torch.randn(1, 384, kv_heads, 128, generator=gen, device="cuda").bfloat16() for _ in "ab"
+    )
     inputs = {"q": q, "k": k, "v": v, "do": do}
     bad = {name: x.clone() for name, x in inputs.items()}
     bad[where][0, 150, 1, 3] = value
 
     def run(x):
-        o, lse = cuflash.attention_forward(x["q"], x["k"], x["v"])
-        grads = testing.attention_backward_with(FUSED, x["do"], x["q"], x["k"], x["v"], o, lse)
+        o, lse = cuflash.attention_forward(x["q"], x["k"], x["v"], causal=causal)
+        args = (x["do"], x["q"], x["k"], x["v"], o, lse)
+        grads = testing.attention_backward_with(FUSED, *args, causal=causal)
         assert backward_paths((None, grads[3])) == ("fused", "fused")
         return (o, *grads[:3])
 
@@ -172,8 +187,11 @@ def test_a_nonfinite_input_reaches_what_depends_on_it(where, value):
         return x.double().cpu().numpy()
 
     def want(x):
-        o, lse = reference.forward(f64(x["q"]), f64(x["k"]), f64(x["v"]))
-        return (o, *reference.backward(*(f64(x[n]) for n in ("do", "q", "k", "v")), o, lse))
+        o, lse = reference.forward(f64(x["q"]), f64(x["k"]), f64(x["v"]), causal=causal)
+        grads = reference.backward(
+            *(f64(x[n]) for n in ("do", "q", "k", "v")), o, lse, causal=causal
+        )
+        return (o, *grads)
 
     got, clean = run(bad), run(inputs)
     for name, g, w, c, wc in zip(
