@@ -171,9 +171,9 @@ _WORKSPACE_ALIGN = 256
 
 def fused_backward_fits(p: Problem) -> bool:
     """Whether the fused backward can serve the call, the GPU and the strides aside: an instance
-    for its features (no left bound, i.e. no window, no softcap) and bucket; without a right
-    bound, at most as many key blocks per head as query steps (group x query tiles: the rotated
-    turns need an item per start, backward_sm90_fused.cu); with one (causal: the "bounded"
+    for its features (no softcap) and bucket; without a right bound, no left bound either and at
+    most as many key blocks per head as query steps (group x query tiles: the rotated turns need
+    an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the "bounded"
     schedule, fused_schedule), no grouped heads. Grouped heads under a right bound ran 0.94-1.02x
     the split kernels (32 / 8 heads, H100; docs/perf/NOTES.md, v22): the additions to a query
     tile of the group's h-th head come 2 (h + 1) steps apart, and the sums touched between them
@@ -183,6 +183,8 @@ def fused_backward_fits(p: Problem) -> bool:
         return False
     if p.mask.bounded_right:
         return p.group == 1
+    if p.mask.local:  # a left bound alone: every key block's list would start at the first tile
+        return False
     return 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
 
 

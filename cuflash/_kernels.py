@@ -154,12 +154,12 @@ _TMA_TILES = {
 # The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN, STAGES)
 # (two consumer warpgroups of 64 keys, 64-row query tiles), its schedules (the dK/dV kernel's
 # order of query tiles and turns: "rotated" for masks without a right bound, "bounded" for those
-# with one, such as causal), the features it has (no left bound, softcap or packing), and the
-# threads of the dQ kernel that reads its sums.
+# with one, such as causal and windows), the features it has (no softcap or packing; a left bound
+# only with the bounded order), and the threads of the dQ kernel that reads its sums.
 FUSED_BACKWARD_BUCKETS = (128,)
 FUSED_TILES = (64, 128, 2)
 FUSED_SCHEDULES = ("rotated", "bounded")
-FUSED_FEATURES = FEATURE_ALIBI
+FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
 # Sequences of at least `rows` query rows take taller query tiles where those are faster
 # (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
@@ -439,6 +439,8 @@ def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
 def _fused_instance(spec, name, family, elem, hd, features, schedule) -> KernelSpec:
     if hd not in FUSED_BACKWARD_BUCKETS or features & ~FUSED_FEATURES:
         raise ValueError(f"no fused backward at head dim {hd} with features {features}")
+    if family == "dkdv" and features & FEATURE_LOCAL and schedule != "bounded":
+        raise ValueError("a window (FEATURE_LOCAL) takes the fused backward's bounded schedule")
     bm, bn, stages = FUSED_TILES
     if family == "dq":  # a block per (batch, query head, query tile)
         return spec(f"{name}<{elem}, {hd}, {features}>", FUSED_DQ_THREADS, 0, bm, 0)
@@ -460,9 +462,13 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     specs.add(work_list_instance())
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
-            for features in (0, FUSED_FEATURES):
+            for features in range(FUSED_FEATURES + 1):
+                if features & ~FUSED_FEATURES:
+                    continue
                 for schedule in FUSED_SCHEDULES:
-                    specs.add(instance("dkdv", "fused", dt, hd, None, features, schedule=schedule))
+                    if not (features & FEATURE_LOCAL and schedule == "rotated"):
+                        fused = instance("dkdv", "fused", dt, hd, None, features, schedule=schedule)
+                        specs.add(fused)
                 specs.add(instance("dq", "fused", dt, hd, None, features))
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:

@@ -127,12 +127,13 @@ struct FusedBoundedOrder {
   }
 };
 
-// An item's query steps (query head of the group, query tile) and the tiles' turns.
-template <bool BOUNDED>
+// An item's query steps (query head of the group, query tile) and the tiles' turns. LOCAL: the
+// mask has a left bound too (a window).
+template <bool BOUNDED, bool LOCAL>
 struct FusedSteps;
 
 template <>
-struct FusedSteps<false> {  // every query tile of every head, rotated (FusedDqOrder)
+struct FusedSteps<false, false> {  // every query tile of every head, rotated (FusedDqOrder)
   FusedDqOrder order;
   int tiles_q;
   template <typename Mask>
@@ -154,8 +155,8 @@ struct FusedSteps<false> {  // every query tile of every head, rotated (FusedDqO
   }
 };
 
-template <>
-struct FusedSteps<true> {  // the tiles of the block's rows, ascending, head by head
+template <bool LOCAL>
+struct FusedSteps<true, LOCAL> {  // the tiles of the block's rows, ascending, head by head
   TileRange tiles;
   FusedBoundedOrder order;  // the writer's (dead code elsewhere)
   template <typename Mask>
@@ -172,9 +173,11 @@ struct FusedSteps<true> {  // the tiles of the block's rows, ascending, head by 
     const int len = tiles.count(), head = s / len;
     return QueryStep{head, tiles.begin + s - head * len};
   }
-  // The tile straddles the bound: with no left bound (the kernel's instances), every tile from
-  // full_begin on is whole (mask.cuh, query_tiles: full_end = end).
-  __device__ __forceinline__ bool masked(int tile) const { return tile < tiles.full_begin; }
+  // The tile straddles a bound: with no left bound, every tile from full_begin on is whole
+  // (mask.cuh, query_tiles: full_end = end), and the second comparison is compiled out.
+  __device__ __forceinline__ bool masked(int tile) const {
+    return tile < tiles.full_begin || (LOCAL && tile >= tiles.full_end);
+  }
   template <typename Mask>
   __device__ __forceinline__ int turn(int block, const QueryStep& at, const Mask& mask) const {
     const TileRange blocks = mask.key_tiles(at.tile * FUSED_BM, FUSED_BM, FUSED_BN);
@@ -265,7 +268,7 @@ struct FusedBarriers {
   int repair[8];
 };
 
-// BOUNDED: the mask has a right bound (causal); the host picks the instance.
+// BOUNDED: the mask has a right bound (causal, windows); the host picks the instance.
 template <typename Elem, int HD, int BM, int BN, int STAGES, bool BOUNDED, int FEATURES>
 __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     attention_backward_fused_tma(const __grid_constant__ BackwardMaps maps,
@@ -273,8 +276,9 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  typedef FusedSteps<BOUNDED> Steps;
-  static_assert(!F::SOFTCAP && !F::PACKED && !F::LOCAL, "no softcap, packing or left bound");
+  typedef FusedSteps<BOUNDED, F::LOCAL> Steps;
+  static_assert(!F::SOFTCAP && !F::PACKED, "no softcap or packing");
+  static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
   static_assert(HD == 128 && BM == FUSED_BM && BN == FUSED_BN, "two consumers of 64 keys, 64 rows");
   constexpr int CONSUMERS = BN / 64, NT_DQ = HD / CONSUMERS / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;

@@ -257,23 +257,24 @@ def test_the_fused_backward_serves_dense_and_causal_calls_at_d_128():
         assert _dispatch.fused_backward_fits(replace(p, **change))
 
 
-@pytest.mark.parametrize("window", [(None, 0), (None, 5)])
+@pytest.mark.parametrize("window", [(None, 0), (None, 5), (100, 0), (300, 20)])
 def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(window):
     p = problem(head_dim=128, seq_q=1000, seq_k=1100, window=window, heads_q=2)
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
     dkdv, dq = chosen.dkdv.aligned, chosen.dq.aligned
     assert (dkdv.spec.path, dq.spec.path) == ("fused", "fused")
     assert dkdv.spec.schedule == "bounded" and dkdv.paired
-    assert dkdv.spec.name_expression.endswith("2, 1, 0>")
-    assert dq.spec.name_expression.endswith(", 0>")
+    local = _kernels.FEATURE_LOCAL if window[0] is not None else 0
+    assert dkdv.spec.name_expression.endswith(f"2, 1, {local}>")
+    assert dq.spec.name_expression.endswith(f", {local}>")
     assert _dispatch.backward_workspace(p).accum > 0
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        dict(window=(100, None)),  # a left bound
-        dict(window=(100, 0)),
+        dict(window=(100, None)),  # a left bound alone
+        dict(window=(100, 0), heads_q=8),  # a window with grouped heads
         dict(head_dim=64),
         dict(head_dim=256),
         dict(dtype="float32"),
@@ -373,7 +374,7 @@ def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: in
 
 
 @pytest.mark.parametrize(
-    "nq,nk,right,group,heads,grid",
+    "nq,nk,right,group,heads,grid",  # right: the right bound, or a window (left, right)
     [
         (1000, 1000, 0, 1, 3, 132),  # causal
         (1000, 1000, 0, 4, 2, 7),
@@ -382,6 +383,9 @@ def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: in
         (700, 700, 130, 3, 3, 5),  # a right bound past the diagonal
         (64, 1024, 0, 1, 9, 4),  # one query tile, eight key blocks
         (257, 129, 0, 2, 7, 132),  # partial blocks and tiles
+        (1000, 1000, (300, 0), 1, 3, 5),  # sliding windows
+        (700, 900, (90, 40), 2, 2, 4),
+        (2000, 600, (64, 0), 1, 5, 7),  # rows that see no key at both ends
     ],
 )
 def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
@@ -393,7 +397,7 @@ def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
     from cuflash._mask import Mask
 
     bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
-    mask = Mask.of(nq, nk, (None, right))
+    mask = Mask.of(nq, nk, right if isinstance(right, tuple) else (None, right))
     n, tiles_q = -(-nk // bn), -(-nq // bm)
     num_work = heads * n
 

@@ -235,11 +235,12 @@ def main() -> int:
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
                 # the fused backward (d = 128): several key blocks and query tiles, a partial
-                # last key block, and causal (no grouped heads) with rows that see no key
+                # last key block, causal (no grouped heads) with rows that see no key, a window
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
                 run(choice, dtype, d, True, True, nq=300, nk=200, mods="alibi_dense", kv_heads=4)
                 run(choice, dtype, d, True, aligned=True, nq=200, nk=450, kv_heads=4)
-                count += 4
+                run(choice, dtype, d, True, True, nq=300, nk=330, mods="window", kv_heads=4)
+                count += 5
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):

@@ -1,8 +1,8 @@
 """The fused Hopper backward (kernels_cu/backward_sm90_fused.cu): which calls take it, its results
-against the float64 reference over shapes, grouped heads, layouts, strides, causal masks, partial
-key blocks and ALiBi, its bitwise determinism, the ordered additions of dQ's sums when a head's
-key blocks span several waves of the persistent grid, and non-finite inputs (the repair of what a
-masked tile made non-finite). Skipped on GPUs other than sm_90."""
+against the float64 reference over shapes, grouped heads, layouts, strides, causal masks, sliding
+windows, partial key blocks and ALiBi, its bitwise determinism, the ordered additions of dQ's sums
+when a head's key blocks span several waves of the persistent grid, and non-finite inputs (the
+repair of what a masked tile made non-finite). Skipped on GPUs other than sm_90."""
 
 from __future__ import annotations
 
@@ -36,9 +36,12 @@ def fused_cases(draw):
     two_d = layout == "2d"
     batch = 1 if two_d else draw(st.integers(1, 3))
     heads_kv = 1 if two_d else draw(st.integers(1, 3))
-    causal = draw(st.booleans())
+    mask = draw(st.sampled_from(["none", "causal", "window"]))
+    causal = mask == "causal"
+    # sliding windows (a left bound alone keeps the split kernels)
+    window = draw(st.sampled_from([(64, 0), (300, 20), (50, None)])) if mask == "window" else None
     # grouped heads under a bound keep the split kernels (fused_backward_fits): fewer of them
-    groups = [1, 1, 1, 2] if causal else [1, 2, 4, 8]
+    groups = [1, 1, 1, 2] if mask != "none" else [1, 2, 4, 8]
     group = 1 if two_d else draw(st.sampled_from(groups))
     seq = st.one_of(st.integers(1, 70), st.integers(1, 700), st.integers(600, 1500))
     seq_q = draw(seq)
@@ -53,6 +56,7 @@ def fused_cases(draw):
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
         causal=causal,
+        window=window,
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
         storage=draw(st.sampled_from(["contiguous", "views"])),  # TMA-readable
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -67,7 +71,8 @@ def test_fused_backward_against_the_reference(case):
     paths = backward_paths(plans)
     if _dispatch.fused_backward_fits(plans[1].p):
         assert paths == ("fused", "fused"), case
-    else:  # more key blocks than query steps without a bound, grouped heads under one
+    else:  # more key blocks than query steps without a bound, grouped heads under one, a left
+        # bound alone
         assert "fused" not in paths, case
 
 
@@ -122,15 +127,14 @@ def test_fused_backward_is_deterministic_and_the_default(causal):
 @pytest.mark.parametrize(
     "causal,window,softcap,seq_k",
     [
-        (False, (64, 64), None, 500),
-        (True, (64, None), None, 500),
+        (False, (64, None), None, 500),
         (False, None, 5.0, 500),
         (False, None, None, 20000),
     ],
 )
 def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
-    # a left bound (windows), the softcap, and more key blocks than query steps (group x query
-    # tiles) without a bound
+    # a left bound alone, the softcap, and more key blocks than query steps (group x query tiles)
+    # without a bound
     case = Case(
         1,
         2,

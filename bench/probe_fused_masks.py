@@ -1,0 +1,88 @@
+"""The fused Hopper backward against the split dK/dV + dQ kernels, both chosen explicitly
+(KernelChoice(backward=...)), under masks: causal, sliding windows, ALiBi, grouped heads.
+bf16, d = 128, interleaved rounds in one process; TFLOP/s count the visible (query, key) pairs
+(backward: 10 * B * H * pairs * d, docs/DESIGN.md). Writes probe_fused_masks.txt under --out.
+
+    python bench/probe_fused_masks.py [--out DIR] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import time_ms  # noqa: E402
+from bench_score_mods import visible_pairs  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import testing  # noqa: E402
+from cuflash._dispatch import KernelChoice  # noqa: E402
+
+# (label, batch, seq, heads_q, heads_kv, causal, window, alibi)
+CASES = [
+    ("causal", 4, 4096, 16, 16, True, None, False),
+    ("causal alibi", 4, 4096, 16, 16, True, None, True),
+    ("causal gqa 32/16", 4, 4096, 32, 16, True, None, False),
+    ("window (255, 0)", 4, 4096, 16, 16, False, (255, 0), False),
+    ("window (1023, 0)", 4, 4096, 16, 16, False, (1023, 0), False),
+    ("window (4095, 0)", 1, 16384, 16, 16, False, (4095, 0), False),
+    ("window (4095, 0)", 1, 32768, 16, 16, False, (4095, 0), False),
+    ("window (511, 511)", 4, 4096, 16, 16, False, (511, 511), False),
+    ("causal nk = 2 nq", 4, 2048, 16, 16, True, None, False),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d = 128
+    lines = [
+        f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
+        f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}  x split  path",
+    ]
+    for label, b, n, hq, hkv, causal, window, alibi in CASES:
+        nk = 2 * n if label.endswith("nk = 2 nq") else n
+        q, do = (torch.randn(b, n, hq, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+        k, v = (torch.randn(b, nk, hkv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+        options = dict(causal=causal, window=window)
+        if alibi:
+            options["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
+        o, lse = cuflash.attention_forward(q, k, v, **options)
+        runs = {}
+        for name in ("fused", "split"):
+            choice = KernelChoice(backward=name)
+            *_, plan = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
+            runs[name] = (choice, plan.dkdv.aligned.launch.spec.path)
+        times = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, (choice, _) in runs.items():
+                fn = lambda c=choice: testing.attention_backward_with(  # noqa: E731
+                    c, do, q, k, v, o, lse, **options
+                )
+                times[name].append(time_ms(fn, 2, 10, 100))
+        if nk == n:
+            pairs = visible_pairs(n, window, causal)
+        else:  # causal, bottom-right: row i sees keys up to i + nk - n
+            pairs = sum(min(nk, i + nk - n + 1) for i in range(n))
+        tf = {m: 10 * b * hq * pairs * d / statistics.median(t) / 1e9 for m, t in times.items()}
+        lines.append(
+            f"{label:<22} {b:>2} {n:>6} {hq:>3}/{hkv:<3}  {tf['fused']:7.1f} {tf['split']:7.1f}"
+            f"  {tf['fused'] / tf['split']:6.3f}  {runs['fused'][1]}"
+        )
+        print(lines[-1], flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "probe_fused_masks.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
