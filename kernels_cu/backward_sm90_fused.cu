@@ -1,8 +1,8 @@
-// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of unpacked attention with no left
-// bound (dense or causal) and no softcap: one kernel computes dK, dV and dQ's partial sums from the same S and dP (5 matrix products per tile
-// pair, where the dK/dV and dQ kernels of backward_sm90_tma.cu do 7), and a second one turns the
-// float32 sums into dQ. Deterministic: the partial sums of a query tile are added in a fixed order
-// (below), never by unordered atomics.
+// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of unpacked attention without a
+// softcap (dense, causal, sliding windows): one kernel computes dK, dV and dQ's partial sums from
+// the same S and dP (5 matrix products per tile pair, where the dK/dV and dQ kernels of
+// backward_sm90_tma.cu do 7), and a second one turns the float32 sums into dQ. Deterministic: the
+// partial sums of a query tile are added in a fixed order (below), never by unordered atomics.
 //
 // attention_backward_fused_tma: as attention_backward_dkdv_tma (a persistent block per SM walks the
 // (batch, KV head, key block) items; warpgroup 0 produces, consumer warpgroups of 64 keys run the
@@ -24,19 +24,20 @@
 //     come after those of earlier ones. A turn waits only for additions made at earlier steps of
 //     the same wave or in earlier waves, so every wait ends. It needs an item per start: at most
 //     group x T key blocks per head (cuflash/_dispatch.py).
-//   - A right bound (causal; "bounded", FusedBoundedOrder): key block j adds to the query tiles
-//     of its rows (mask.cuh, query_tiles), which it visits in ascending order, head by head. Within
+//   - A right bound (causal, windows; "bounded", FusedBoundedOrder): key block j adds to the query
+//     tiles of its rows (mask.cuh, query_tiles), which it visits in ascending order, head by head
+//     (a left bound alone stays with the split kernels: every list would start at tile 0). Within
 //     a round of the walk (paired: heavy items with light, common.cuh, WorkWalk) a tile's
 //     additions go from the last key block down, after those of earlier rounds: a single order of
 //     the items, so the waits cannot form a cycle. A later key block starts its list further down,
 //     so it reaches each tile some steps before the earlier ones do, and they seldom wait.
 // Masked tiles: pairs a query may not see get P = 0 and dS = 0, and so do the padding keys of a
 // partial last key block, whose dS would reach dQ (unbounded masks have no masked tiles: there
-// those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair rows a masked tile made
-// non-finite (repair.cuh) at the end, from the rows that are non-finite then: dK and dV in the
-// epilogue, dQ in attention_backward_dq_from_accum (tiles visit in ascending order here, not masked
-// first, so the check waits for the end; a row that is non-finite for a visible reason is
-// recomputed to the same value).
+// those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair the rows a
+// masked tile made non-finite (repair.cuh) from the rows that are non-finite at the end: dK and
+// dV after the block's last item (repair_fused_dkdv), dQ in attention_backward_dq_from_accum. The
+// tiles are visited in ascending order here, not masked first, so the check waits for the end; a
+// row that is non-finite for a visible reason is recomputed to the same value.
 //
 // attention_backward_dq_from_accum: dQ = scale * sums, a block per (batch, query head, query tile).
 #include "common.cuh"
@@ -537,7 +538,8 @@ __global__ void __launch_bounds__(128) attention_backward_dq_from_accum(const __
   float acc[1][NT_D][4];
 #pragma unroll
   for (int nt = 0; nt < NT_D; ++nt) {
-    const float4 v = blocks.count() > 0 ? sums[nt * 128 + threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 v =
+        blocks.count() > 0 ? sums[nt * 128 + threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
     acc[0][nt][0] = v.x, acc[0][nt][1] = v.y, acc[0][nt][2] = v.z, acc[0][nt][3] = v.w;
   }
   const float scale = static_cast<float>(p.scale);
