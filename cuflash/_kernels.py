@@ -462,9 +462,7 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     specs.add(work_list_instance())
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
-            for features in range(FUSED_FEATURES + 1):
-                if features & ~FUSED_FEATURES:
-                    continue
+            for features in (f for f in FEATURE_SETS if not f & ~FUSED_FEATURES):
                 for schedule in FUSED_SCHEDULES:
                     if not (features & FEATURE_LOCAL and schedule == "rotated"):
                         fused = instance("dkdv", "fused", dt, hd, None, features, schedule=schedule)

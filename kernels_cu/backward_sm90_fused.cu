@@ -406,8 +406,8 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     if (item >= walk.num_work) continue;
     const WorkItem<false> work = work_item<false>(p, item, p.heads_kv);
     const int n0 = work.c.block * BN;
-    // masked tiles: those that straddle a bound, and every tile of a partial last key block,
-    // whose padding keys' dS would reach dQ
+    // masked tiles: those that straddle a bound, and under a bound every tile of a partial last
+    // key block, whose padding keys' dS would reach dQ (without one, see the dS^T stores below)
     const Steps steps = Steps::of(p, item, work.c.block, tiles_q, Mask::of(p, work.seq.ext));
     keys.key0 = n0 + key_row0 + (lane >> 2);
     keys.clear();

@@ -237,9 +237,9 @@ def main() -> int:
                 # the fused backward (d = 128): several key blocks and query tiles, a partial
                 # last key block, causal (no grouped heads) with rows that see no key, a window
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
-                run(choice, dtype, d, True, True, nq=300, nk=200, mods="alibi_dense", kv_heads=4)
-                run(choice, dtype, d, True, aligned=True, nq=200, nk=450, kv_heads=4)
-                run(choice, dtype, d, True, True, nq=300, nk=330, mods="window", kv_heads=4)
+                causal = ((300, 200, "alibi_dense"), (200, 450, ""), (300, 330, "window"))
+                for nq, nk, mods in causal:
+                    run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=4)
                 count += 5
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
