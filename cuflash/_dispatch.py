@@ -174,15 +174,12 @@ def fused_backward_fits(p: Problem) -> bool:
     for its features (no softcap) and bucket; without a right bound, no left bound either and at
     most as many key blocks per head as query steps (group x query tiles: the rotated turns need
     an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the "bounded"
-    schedule, fused_schedule), no grouped heads. Grouped heads under a right bound ran 0.94-1.02x
-    the split kernels (32 / 8 heads, H100; docs/perf/NOTES.md, v22): the additions to a query
-    tile of the group's h-th head come 2 (h + 1) steps apart, and the sums touched between them
-    outgrow L2."""
+    schedule, fused_schedule), any group."""
     available = _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
     if not (available and p.seq_q > 0 and p.seq_k > 0):
         return False
     if p.mask.bounded_right:
-        return p.group == 1
+        return True
     if p.mask.local:  # a left bound alone: every key block's list would start at the first tile
         return False
     return 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)

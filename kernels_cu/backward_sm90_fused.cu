@@ -28,9 +28,10 @@
 //     tiles of its rows (mask.cuh, query_tiles), which it visits in ascending order, head by head
 //     (a left bound alone stays with the split kernels: every list would start at tile 0). Within
 //     a round of the walk (paired: heavy items with light, common.cuh, WorkWalk) a tile's
-//     additions go from the last key block down, after those of earlier rounds: a single order of
-//     the items, so the waits cannot form a cycle. A later key block starts its list further down,
-//     so it reaches each tile some steps before the earlier ones do, and they seldom wait.
+//     additions come step by step, after those of earlier rounds, and within a step in the order
+//     the items reach the tile (from the last key block down, or, with grouped heads under a
+//     causal mask or a wide window, up at the second step): a single order of the items, so the waits cannot form
+//     a cycle, and one that follows their arrival, so they seldom wait.
 // Masked tiles: pairs a query may not see get P = 0 and dS = 0, and so do the padding keys of a
 // partial last key block, whose dS would reach dQ (unbounded masks have no masked tiles: there
 // those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair the rows a
@@ -93,12 +94,25 @@ struct FusedDqOrder {
 // pos = item - base holds key block n - 1 - pos / 2 (pos even) or pos / 2 (pos odd:
 // decode_paired_work). A round of the walk is G items (paired: 2 G, its even items at the round's
 // first step, its odd ones at the second). A query tile's additions: those of earlier rounds, then
-// this round's at its first step, then those at its second, each from the last key block down.
+// this round's at its first step, then those at its second, each from the last key block down,
+// except at the second step with grouped heads and no left bound nearer than half the keys
+// (`rising`): from the first key block up. Why (the order in which items reach a tile; a timing
+// model of the walk is in tests/test_dispatch.py): the items of a round's first step start
+// together, and block j reaches query tile t of the group's head h after about h L_j + t - 2 j
+// steps (L_j: its tiles), the last block first. At the second step, block k's item starts when
+// its SM's first item ends, which under a causal mask has 2 g (k + 1) steps (g: the group), so it
+// reaches that tile after about 2 g + h T + t + 2 k (g - 1 - h): the first block first, or all at
+// once for the last head. Turns from the last block down made the items wait there (the model:
+// 1.1-1.35x the time of the walk without turns at g = 4, 1.00-1.01x rising). With one head per
+// group every order is the same to within 1%; a narrow window's lists are about equally long,
+// so its second step arrives as its first, the last block first (rising cost up to 1.15x there).
 struct FusedBoundedOrder {
   int n, lo, hi;     // the head's positions [lo, hi) in this item's round
   int parity;        // paired: the parity of this item's position; else -1
   int first_parity;  // paired: the parity of the positions at the round's first step
-  static __device__ __forceinline__ FusedBoundedOrder of(i64 item, int n, bool paired) {
+  bool rising;       // this item's additions at its step go from the first key block up
+  static __device__ __forceinline__ FusedBoundedOrder of(i64 item, int n, bool paired,
+                                                         bool second_rising) {
     const i64 round_items = paired ? 2 * static_cast<i64>(gridDim.x) : gridDim.x;
     const i64 base = item - item % n, round0 = item / round_items * round_items;
     FusedBoundedOrder o;
@@ -107,6 +121,7 @@ struct FusedBoundedOrder {
     o.hi = static_cast<int>(min(round0 + round_items - base, static_cast<i64>(n)));
     o.parity = paired ? static_cast<int>((item - base) & 1) : -1;
     o.first_parity = static_cast<int>(base & 1);  // global item parity 0 is the first step
+    o.rising = second_rising && paired && o.parity != o.first_parity;
     return o;
   }
   static __device__ __forceinline__ int overlap(int a0, int a1, int b0, int b1) {
@@ -124,6 +139,7 @@ struct FusedBoundedOrder {
   __device__ __forceinline__ int turn(int block, int jlo, int jhi) const {
     int t = blocks_in(0, lo, -1, jlo, jhi);
     if (parity >= 0 && parity != first_parity) t += blocks_in(lo, hi, first_parity, jlo, jhi);
+    if (rising) return t + blocks_in(lo, hi, parity, jlo, min(jhi, block - 1));
     return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi);
   }
 };
@@ -164,7 +180,8 @@ struct FusedSteps<true, LOCAL> {  // the tiles of the block's rows, ascending, h
   static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int block, int,
                                                   const Mask& mask) {
     FusedSteps s{mask.query_tiles(block * FUSED_BN, FUSED_BN, FUSED_BM),
-                 FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0)};
+                 FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0,
+                                       p.group > 1 && mask.left >= mask.nk - mask.left)};
     // the last key block, with padding keys: every tile masked
     if ((block + 1) * FUSED_BN > mask.nk) s.tiles.full_begin = s.tiles.end;
     return s;

@@ -147,9 +147,10 @@ def test_features_of_a_problem_pick_the_instances():
     assert _dispatch.features(wide) == 0
     mods = problem(head_dim=128, window=(100, 3), softcap=30.0, alibi=True)
     assert _dispatch.features(mods) == 7
-    # windows keep the TMA kernels; the softcap runs its backward on mma.sync (Hopper's backward
-    # kernels have no registers for it) and its forward on TMA; ALiBi takes the fused backward at
-    # d = 128 (the split TMA kernels where asked), and the wgmma one at d = 64
+    # windows take the fused backward at d = 128 and the split TMA kernels where asked; the
+    # softcap runs its backward on mma.sync (Hopper's backward kernels have no registers for it)
+    # and its forward on TMA; ALiBi takes the fused backward at d = 128 (the split TMA kernels
+    # where asked), and the wgmma one at d = 64
     alibi = problem(head_dim=128, alibi=True, window=(None, None))
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
@@ -157,7 +158,7 @@ def test_features_of_a_problem_pick_the_instances():
     split = KernelChoice(backward="split")
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132, split)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
-    alibi = problem(head_dim=128, alibi=True, heads_q=2)  # causal, no grouped heads
+    alibi = problem(head_dim=128, alibi=True)  # causal, grouped heads
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
     assert launches.dkdv.aligned.spec.schedule == "bounded"
@@ -165,6 +166,9 @@ def test_features_of_a_problem_pick_the_instances():
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "wgmma"
     launches = _dispatch.backward(window, strides_of(window), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
+    assert launches.dq.aligned.spec.features == _kernels.FEATURE_LOCAL
+    launches = _dispatch.backward(window, strides_of(window), "sm_90a", 132, split)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
     assert launches.dq.aligned.spec.features == _kernels.FEATURE_LOCAL
     launches = _dispatch.backward(mods, strides_of(mods), "sm_90a", 132)
@@ -257,9 +261,13 @@ def test_the_fused_backward_serves_dense_and_causal_calls_at_d_128():
         assert _dispatch.fused_backward_fits(replace(p, **change))
 
 
-@pytest.mark.parametrize("window", [(None, 0), (None, 5), (100, 0), (300, 20)])
-def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(window):
-    p = problem(head_dim=128, seq_q=1000, seq_k=1100, window=window, heads_q=2)
+@pytest.mark.parametrize(
+    "window,heads_q",
+    [((None, 0), 2), ((None, 5), 2), ((100, 0), 2), ((300, 20), 2), ((None, 0), 8), ((100, 3), 4)],
+)
+def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(window, heads_q):
+    # heads_q / 2 KV heads: grouped heads too
+    p = problem(head_dim=128, seq_q=1000, seq_k=1100, window=window, heads_q=heads_q)
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
     dkdv, dq = chosen.dkdv.aligned, chosen.dq.aligned
     assert (dkdv.spec.path, dq.spec.path) == ("fused", "fused")
@@ -274,13 +282,11 @@ def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(windo
     "change",
     [
         dict(window=(100, None)),  # a left bound alone
-        dict(window=(100, 0), heads_q=8),  # a window with grouped heads
         dict(head_dim=64),
         dict(head_dim=256),
         dict(dtype="float32"),
         dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head, no bound
         dict(softcap=30.0),
-        dict(window=(None, 0)),  # grouped heads (8 / 2) under a right bound
     ],
 )
 def test_the_fused_backward_leaves_the_other_calls(change):
@@ -341,13 +347,17 @@ def test_the_fused_backwards_turns_are_a_schedule_without_waits_on_later_work(
             assert when == sorted(when) and len(set(when)) == n
 
 
-def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: int, jhi: int) -> int:
-    """The mirror of FusedBoundedOrder::turn (kernels_cu/backward_sm90_fused.cu)."""
+def bounded_turn(
+    item: int, n: int, grid: int, paired: bool, rising: bool, block: int, jlo: int, jhi: int
+) -> int:
+    """The mirror of FusedBoundedOrder::turn (kernels_cu/backward_sm90_fused.cu); `rising`: the
+    kernel's second_rising (grouped heads, no left bound nearer than half the keys)."""
     round_items = 2 * grid if paired else grid
     base, round0 = item - item % n, item // round_items * round_items
     lo, hi = max(round0 - base, 0), min(round0 + round_items - base, n)
     parity = (item - base) & 1 if paired else -1
     first_parity = base & 1
+    rising = rising and paired and parity != first_parity
 
     def blocks_in(a, b, par, jl, jh):
         # positions in [a, b) of parity par whose key block (decode_paired_work) is in [jl, jh]
@@ -370,7 +380,50 @@ def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: in
     t = blocks_in(0, lo, -1, jlo, jhi)
     if parity >= 0 and parity != first_parity:
         t += blocks_in(lo, hi, first_parity, jlo, jhi)
+    if rising:
+        return t + blocks_in(lo, hi, parity, jlo, min(jhi, block - 1))
     return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi)
+
+
+def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None):
+    """The fused kernel's bounded walk (common.cuh, WorkWalk, paired), each block's items in walk
+    order, an item being the (query tile, turn, masked) of each of its steps: the lists (ascending
+    query tiles of the block's rows, head by head), FusedSteps::masked and the turns. `rising`:
+    None for the kernel's choice, else forced (to show what the other order does)."""
+    from cuflash._mask import Mask
+
+    bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+    mask = Mask.of(nq, nk, bounds)
+    n = -(-nk // bn)
+    num_work = heads * n
+    if rising is None:  # FusedSteps<true, LOCAL>::of
+        rising = group > 1 and mask.left >= mask.nk - mask.left
+
+    def steps_of(item):
+        pos = item % n
+        block = (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
+        t = mask.query_tiles(block * bn, bn, bm)
+        full_begin = t.end if (block + 1) * bn > nk else t.full_begin  # padding keys: all masked
+        out = []
+        for h in range(group):
+            for q in range(t.begin, t.end):
+                keys = mask.key_tiles(q * bm, bm, bn)
+                assert keys.begin <= block < keys.end
+                tile = ((item // n) * group + h, q)
+                turn = bounded_turn(item, n, grid, True, rising, block, keys.begin, keys.end - 1)
+                out.append((tile, turn, q < full_begin or q >= t.full_end))
+        return out
+
+    walks = []
+    for b in range(grid):
+        walk, step = [], 0
+        while 2 * grid * (step >> 1) < num_work:
+            item = 2 * grid * (step >> 1) + 2 * b + (step & 1)
+            if item < num_work:
+                walk.append(steps_of(item))
+            step += 1
+        walks.append(walk)
+    return mask, walks
 
 
 @pytest.mark.parametrize(
@@ -386,44 +439,19 @@ def bounded_turn(item: int, n: int, grid: int, paired: bool, block: int, jlo: in
         (1000, 1000, (300, 0), 1, 3, 5),  # sliding windows
         (700, 900, (90, 40), 2, 2, 4),
         (2000, 600, (64, 0), 1, 5, 7),  # rows that see no key at both ends
+        (1500, 1500, 0, 8, 3, 11),  # grouped heads, odd key blocks a head (rounds split heads)
     ],
 )
 def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
     nq, nk, right, group, heads, grid
 ):
-    # The kernel's walk (common.cuh, WorkWalk, paired), lists (ascending query tiles of the block's
-    # rows, head by head) and turns, run step by step: every turn of a tile comes once, every wait
-    # ends, and the tiles that get sums are those the dQ pass reads (key_tiles(...).count > 0).
-    from cuflash._mask import Mask
-
+    # The kernel's walk run step by step: every turn of a tile comes once, every wait ends, and
+    # the tiles that get sums are those the dQ pass reads (key_tiles(...).count > 0).
     bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
-    mask = Mask.of(nq, nk, right if isinstance(right, tuple) else (None, right))
-    n, tiles_q = -(-nk // bn), -(-nq // bm)
-    num_work = heads * n
-
-    def steps_of(item):
-        pos = item % n
-        block = (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
-        t = mask.query_tiles(block * bn, bn, bm)
-        out = []
-        for h in range(group):
-            for q in range(t.begin, t.end):
-                keys = mask.key_tiles(q * bm, bm, bn)
-                assert keys.begin <= block < keys.end
-                tile = ((item // n) * group + h, q)
-                turn = bounded_turn(item, n, grid, True, block, keys.begin, keys.end - 1)
-                out.append((tile, turn))
-        return out
-
-    queues = []  # every block's items in walk order, each a list of (tile, turn)
-    for b in range(grid):
-        walk, step = [], 0
-        while 2 * grid * (step >> 1) < num_work:
-            item = 2 * grid * (step >> 1) + 2 * b + (step & 1)
-            if item < num_work:
-                walk += steps_of(item)
-            step += 1
-        queues.append(walk)
+    bounds = right if isinstance(right, tuple) else (None, right)
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
+    queues = [[step[:2] for item in walk for step in item] for walk in walks]
+    tiles_q = -(-nq // bm)
     turns = {}
     for walk in queues:
         for tile, turn in walk:
@@ -447,3 +475,68 @@ def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
                 at[b] += 1
                 moved = True
         assert moved, "a wait that never ends"
+
+
+def walk_time(walks, turns: bool = True, add: float = 0.15, epilogue: float = 1.0) -> float:
+    """A timing model of the fused kernel: every query step takes 1, the writer's addition `add`
+    after the step is staged, in its turn (turns=False: as if nobody waited); the consumers stage a
+    step once the writer has taken the last one, and finish an item with an epilogue. The time
+    the last block ends."""
+    done = {}  # (tile, turn): when that addition ended
+    clocks = [[0.0, 0.0, 0, 0] for _ in walks]  # consumers' time, writer's time, item, step
+    left = sum(1 for walk in walks if walk)
+    while left:
+        moved = False
+        for b, walk in enumerate(walks):
+            c = clocks[b]
+            while c[2] < len(walk):
+                if not walk[c[2]]:  # a key block that no query sees: the epilogue alone
+                    c[2], c[0] = c[2] + 1, c[0] + epilogue
+                    moved = True
+                    left -= c[2] == len(walk)
+                    continue
+                tile, turn, _ = walk[c[2]][c[3]]
+                ready = 0.0
+                if turns and turn > 0:
+                    if (tile, turn - 1) not in done:
+                        break
+                    ready = done[(tile, turn - 1)]
+                staged = max(c[0] + 1.0, c[1])
+                c[0], c[1] = staged, max(staged, ready) + add
+                done[(tile, turn)] = c[1]
+                c[3] += 1
+                if c[3] == len(walk[c[2]]):
+                    c[2], c[3], c[0] = c[2] + 1, 0, c[0] + epilogue
+                moved = True
+                if c[2] == len(walk):
+                    left -= 1
+        assert moved or not left, "a wait that never ends"
+    return max(max(c[0], c[1]) for c in clocks)
+
+
+@pytest.mark.parametrize(
+    "nq,nk,bounds,group,heads,grid,other",
+    [
+        (2048, 2048, (None, 0), 4, 8, 64, 1.3),  # causal, 32 / 8 heads
+        (2000, 2000, (None, 0), 2, 3, 12, 1.1),  # odd key blocks a head
+        (1024, 1024, (None, 0), 8, 4, 16, 1.25),
+        (1000, 1000, (None, 40), 3, 4, 16, 1.15),  # a right bound past the diagonal
+        (2048, 2048, (1500, 0), 4, 8, 64, 1.15),  # a window wider than half the keys
+        (2048, 2048, (511, 0), 4, 8, 64, 1.05),  # narrower ones
+        (2048, 2048, (255, 255), 4, 8, 64, 1.1),
+        (2048, 2048, (None, 0), 1, 8, 64, None),  # one head a group: either order
+    ],
+)
+def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads, grid, other):
+    # With the turns as the kernel takes them the walk ends within 2% of the same walk without
+    # turns (nobody waits long); with grouped heads, the other order at the second step makes
+    # items wait: `other` x the walk without turns, at least.
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
+    free = walk_time(walks, turns=False)
+    assert walk_time(walks) <= 1.02 * free
+    rising = group > 1 and mask.left >= mask.nk - mask.left
+    _, flipped = bounded_walk(nq, nk, bounds, group, heads, grid, rising=not rising)
+    if other is None:
+        assert walk_time(flipped) <= 1.02 * free
+    else:
+        assert walk_time(flipped) >= other * free

@@ -235,12 +235,19 @@ def main() -> int:
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
                 # the fused backward (d = 128): several key blocks and query tiles, a partial
-                # last key block, causal (no grouped heads) with rows that see no key, a window
+                # last key block, causal with rows that see no key, a window; grouped heads
+                # (4 / 2, 4 / 1) and not
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
-                causal = ((300, 200, "alibi_dense"), (200, 450, ""), (300, 330, "window"))
-                for nq, nk, mods in causal:
-                    run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=4)
-                count += 5
+                causal = (
+                    (300, 200, "alibi_dense", 4),
+                    (200, 450, "", 4),
+                    (300, 330, "window", 4),
+                    (520, 520, "", 2),
+                    (300, 330, "window", 1),
+                )
+                for nq, nk, mods, kv_heads in causal:
+                    run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=kv_heads)
+                count += 1 + len(causal)
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):
