@@ -1,9 +1,10 @@
 """The fused Hopper backward against the split dK/dV + dQ kernels, both chosen explicitly
 (KernelChoice(backward=...)), under masks: causal, sliding windows, ALiBi, grouped heads.
-bf16, d = 128, interleaved rounds in one process; TFLOP/s count the visible (query, key) pairs
-(backward: 10 * B * H * pairs * d, docs/DESIGN.md). Writes probe_fused_masks.txt under --out.
+bf16, d = 128 (or --head-dim), interleaved rounds in one process; TFLOP/s count the visible
+(query, key) pairs (backward: 10 * B * H * pairs * d, docs/DESIGN.md). Writes
+probe_fused_masks.txt (probe_fused_masks_d<d>.txt for another head dim) under --out.
 
-    python bench/probe_fused_masks.py [--out DIR] [--rounds N]
+    python bench/probe_fused_masks.py [--out DIR] [--rounds N] [--head-dim D]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from cuflash._dispatch import KernelChoice  # noqa: E402
 
 # (label, batch, seq_q, seq_k, heads_q, heads_kv, causal, window, alibi)
 CASES = [
+    ("dense", 4, 4096, 4096, 16, 16, False, None, False),
+    ("dense", 1, 16384, 16384, 16, 16, False, None, False),
     ("causal", 4, 4096, 4096, 16, 16, True, None, False),
     ("causal alibi", 4, 4096, 4096, 16, 16, True, None, True),
     ("causal gqa 32/16", 4, 4096, 4096, 32, 16, True, None, False),
@@ -48,9 +51,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    d = 128
+    d = args.head_dim
     lines = [
         f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
         f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}  x split  path",
@@ -85,7 +89,8 @@ def main() -> int:
         )
         print(lines[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "probe_fused_masks.txt").write_text("\n".join(lines) + "\n")
+    name = "probe_fused_masks.txt" if d == 128 else f"probe_fused_masks_d{d}.txt"
+    (Path(args.out) / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -35,7 +35,7 @@ BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv"
 # their work lists' workspace (_dispatch.work_list_bytes, sized from the problem alone: every
 # packed call has one; launches without a list, off Hopper or unaligned, leave it unread).
 PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "work_list")
-# Where the fused backward fits (_dispatch.backward_workspace), the backward's launches also take
+# Where the fused backward is chosen (_dispatch.backward_workspace), the backward's launches also take
 # the pointers of its dQ sums and counters, inside D's buffer, last.
 FUSED_WORKSPACE = ("dq_accum", "dq_semaphores")
 
@@ -294,9 +294,9 @@ class BackwardPlan:
             "dv": p.bhs_strides(c_contiguous_strides(p.kv_shape)),
         }
         tensors = _with_extras(p, BACKWARD_TENSORS, strides, alibi)
-        # D's buffer is the backward's workspace: where the fused backward fits, its counters and
-        # dQ sums follow D, and their pointers follow a call's (launch)
-        self.workspace = _dispatch.backward_workspace(p)
+        # D's buffer is the backward's workspace: where the fused backward is chosen, its counters
+        # and dQ sums follow D, and their pointers follow a call's (launch)
+        self.workspace = _dispatch.backward_workspace(p, choice)
         if self.workspace.accum:
             tensors = (*tensors, *FUSED_WORKSPACE)
         arch, sms = _target(self.device)

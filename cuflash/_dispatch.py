@@ -32,7 +32,7 @@ class KernelChoice:
         (cuflash/_kernels.py) of those instances. o_store: "registers" makes the TMA forward write
         O from registers. schedule: the TMA forward's key-tile loop (_kernels.FORWARD_SCHEDULES).
         backward: "fused" runs the fused backward where the call allows it (fused_backward_fits,
-        and the TMA kernels), "split" the dK/dV and dQ kernels.
+        TMA-readable tensors, path None or "tma"), "split" the dK/dV and dQ kernels.
     """
 
     path: str | None = None
@@ -185,6 +185,23 @@ def fused_backward_fits(p: Problem) -> bool:
     return 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
 
 
+def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
+    """Whether the backward of `p` takes the fused kernels where the GPU (sm_90a) and the strides
+    (TMA-readable) allow: where it fits (fused_backward_fits) and the choice allows it (backward
+    not "split", path None or "tma"), and, unless the choice asks for it, where it is the faster.
+    At d = 64 a causal mask (a right bound and no left bound) runs faster on the split TMA kernels
+    (fused 0.94-0.98x of them at N = 1k-4k, H100: docs/perf/NOTES.md, v23), where those serve the
+    call (not with ALiBi: the table takes the wgmma kernels there, fused ran 1.6x of them)."""
+    if choice.backward == "split" or choice.path not in (None, "tma") or not fused_backward_fits(p):
+        return False
+    if choice.backward == "fused":
+        return True
+    bucket = _kernels.head_dim_bucket(p.head_dim)
+    causal_like = p.mask.bounded_right and not p.mask.local
+    split_tma = "tma" in _kernels.paths("dkdv", p.dtype, p.head_dim, "sm_90a", features(p))
+    return not (bucket == 64 and causal_like and split_tma)
+
+
 def fused_schedule(p: Problem) -> str:
     """The fused dK/dV kernel's order of query tiles and turns for this mask
     (_kernels.FUSED_SCHEDULES)."""
@@ -193,18 +210,18 @@ def fused_schedule(p: Problem) -> str:
 
 @dataclass(frozen=True)
 class BackwardWorkspace:
-    """The backward's workspace, sized from the problem alone (cuflash.jax declares it when
-    tracing): D, then, where the fused backward fits, its counters and dQ sums (byte offsets; 0:
-    none)."""
+    """The backward's workspace, sized from the problem and the choice alone (cuflash.jax declares
+    it when tracing): D, then, where the fused backward is chosen (fused_backward_chosen), its
+    counters and dQ sums (byte offsets; 0: none)."""
 
     nbytes: int
     semaphores: int = 0
     accum: int = 0
 
 
-def backward_workspace(p: Problem) -> BackwardWorkspace:
+def backward_workspace(p: Problem, choice: KernelChoice = DEFAULT) -> BackwardWorkspace:
     delta = math.prod(p.lse_shape) * (8 if p.dtype in _kernels.EXACT_DTYPES else 4)
-    if not fused_backward_fits(p):
+    if not fused_backward_chosen(p, choice):
         return BackwardWorkspace(delta)
     tiles = p.batch * p.heads_q * _ceil_div(p.seq_q, _FUSED_BM)
     semaphores = _round_up(delta, _WORKSPACE_ALIGN)
@@ -243,13 +260,15 @@ def backward(
     dkdv = _table_launch(p, "dkdv", arch, choice, vec)
     dq = _table_launch(p, "dq", arch, choice, vec)
     unaligned = (replace(dkdv, vec=False), replace(dq, vec=False))
+    readable = vec and _tma_readable(p, strides, ("q", "k", "v", "dout"))
     tma = (
-        vec
+        readable
         and "tma" in _allowed_paths(p, "dq", arch, choice)
         and "tma" in _allowed_paths(p, "dkdv", arch, choice)
-        and _tma_readable(p, strides, ("q", "k", "v", "dout"))
     )
-    fused = tma and arch == "sm_90a" and choice.backward != "split" and fused_backward_fits(p)
+    # The fused kernel has instances of its own: ALiBi at d = 64 fits there, where the split TMA
+    # dK/dV kernel spills and the table takes the wgmma kernels.
+    fused = readable and arch == "sm_90a" and fused_backward_chosen(p, choice)
     maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
     if fused:
         spec = _kernels.instance(

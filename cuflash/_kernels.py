@@ -156,7 +156,7 @@ _TMA_TILES = {
 # order of query tiles and turns: "rotated" for masks without a right bound, "bounded" for those
 # with one, such as causal and windows), the features it has (no softcap or packing; a left bound
 # only with the bounded order), and the threads of the dQ kernel that reads its sums.
-FUSED_BACKWARD_BUCKETS = (128,)
+FUSED_BACKWARD_BUCKETS = (64, 128)
 FUSED_TILES = (64, 128, 2)
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI

@@ -380,7 +380,7 @@ def _backward_op(options: _Options) -> Any:
             return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros_like(v)
         # D = rowsum(dO * O) is a workspace XLA allocates (as bytes: float64 for the exact
         # dtypes, which JAX without x64 could not name), with the fused backward's dQ sums and
-        # counters after it where that kernel fits (_dispatch.backward_workspace)
+        # counters after it where that kernel is chosen (_dispatch.backward_workspace)
         delta_bytes = _dispatch.backward_workspace(problem).nbytes
         results = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -10,10 +10,12 @@
 //   - both consumers store dS^T of their keys into one shared tile (stmatrix, 128-byte swizzle;
 //     two tiles used in turn, so that one barrier a tile orders the consumers);
 //   - each computes dQ_part = dS K for half of the head dim (wgmma, A = dS^T read MN-major,
-//     B = K read MN-major) and stores it, in fragment order, into a staging tile;
+//     B = K read MN-major) and stores it, in fragment order, into a staging tile (at d = 64: for
+//     every column over its own keys, the second consumer adding its part to the first's);
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
-//     in its turn: the tile's counter says how many items have added theirs.
+//     in its turn: the tile's counter says how many items have added theirs. It waits for the
+//     turn before the staged tile, and hands the tile back once the reduction has read it.
 // The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
 // by the shapes alone, and an item waits only for additions that come before its own.
 //   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
@@ -297,8 +299,17 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   typedef FusedSteps<BOUNDED, F::LOCAL> Steps;
   static_assert(!F::SOFTCAP && !F::PACKED, "no softcap or packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
-  static_assert(HD == 128 && BM == FUSED_BM && BN == FUSED_BN, "two consumers of 64 keys, 64 rows");
-  constexpr int CONSUMERS = BN / 64, NT_DQ = HD / CONSUMERS / 8;
+  static_assert((HD == 64 || HD == 128) && BM == FUSED_BM && BN == FUSED_BN,
+                "two consumers of 64 keys, 64 rows");
+  constexpr int CONSUMERS = BN / 64;
+  // dQ_part = dS K: at HD = 128 each consumer computes the columns of one 64-column block of K
+  // over all BN keys. At HD = 64 a consumer's share of the columns (32) is not a swizzle atom of
+  // K read MN-major, so each computes all HD columns over its own 64 keys, and the second adds
+  // its partial to the first's in the staging tile (SPLIT_KEYS).
+  constexpr bool SPLIT_KEYS = HD < 64 * CONSUMERS;
+  static_assert(!SPLIT_KEYS || (HD == 64 && CONSUMERS == 2), "keys split between two consumers");
+  constexpr int DQ_COLS = SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
+  constexpr int STAGED_BARRIER = 2;  // SPLIT_KEYS: the first consumer's partial is staged
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -330,7 +341,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init(&bar.kv_empty, 4 * CONSUMERS);
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
     mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS);
-    mbar_init(&bar.dq_full, 4 * CONSUMERS);  // lane 0 of every consumer warp
+    mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every (last) consumer warp
     mbar_init(&bar.dq_empty, 1);             // the writer
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     fence_barrier_init();
@@ -385,18 +396,21 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
         for (int s = 0; s < count; ++s, ++staged) {
           const QueryStep at = steps.at(s);
           const i64 tile = first_tile + at.head * tiles_q + at.tile;
-          mbar_wait(&bar.dq_full, staged & 1);
+          // The turn first, while the consumers still compute the step: the counter's round trip
+          // to L2 then costs the writer nothing (it waits for no one's staged tile but its own).
           const int turn = steps.turn(bc.block, at, mask);
           int* counter = p.dq_semaphores + tile;
           while (load_acquire(counter) != turn) {
           }
+          mbar_wait(&bar.dq_full, staged & 1);
           fence_proxy_async_global();  // the earlier turns' additions before this one
           float* sums = p.dq_accum + tile * (FUSED_BM * HD);
           if (turn == 0) bulk_store(sums, sdQ, DQ_BYTES);
           else bulk_reduce_add(sums, sdQ, DQ_BYTES);
           bulk_commit();
-          bulk_wait<0>();  // read and written
+          bulk_wait_read<0>();  // the staging tile is read: the consumers may fill it again
           mbar_arrive(&bar.dq_empty);
+          bulk_wait<0>();  // written
           fence_proxy_async_global();
           store_release(counter, turn + 1);
         }
@@ -478,14 +492,24 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       fence_proxy_async();
       named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
       keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
-      // dQ_part = dS K for head-dim columns 64 wg ..: A = dS^T, B = K, both read MN-major.
+      // dQ_part = dS K for head-dim columns 64 wg .. (SPLIT_KEYS: all columns, keys 64 wg ..):
+      // A = dS^T, B = K, both read MN-major; k16 step kk covers keys 16 kk .. 16 kk + 15.
       float acc_dq[NT_DQ][4];
       wgmma_fence();
+      if constexpr (SPLIT_KEYS) {
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_ss_tt<Elem, HD / CONSUMERS>(acc_dq, smem_desc(ds_tile + kk * 2048, BN * 128, 1024),
-                                          smem_desc(sK + wg * (BN * 128) + kk * 2048, BN * 128, 1024),
-                                          kk > 0);
+        for (int kk = 0; kk < 4; ++kk) {
+          const int k16 = 4 * wg + kk;
+          wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + k16 * 2048, BN * 128, 1024),
+                                     smem_desc(sK + k16 * 2048, BN * 128, 1024), kk > 0);
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + kk * 2048, BN * 128, 1024),
+                                     smem_desc(sK + wg * (BN * 128) + kk * 2048, BN * 128, 1024),
+                                     kk > 0);
+      }
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(keys.acc_dv);
@@ -495,15 +519,28 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
       // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
-      // reads this order).
-      mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
+      // reads this order). SPLIT_KEYS: the first consumer stores its partial at nt * 128 + tid,
+      // the second adds its own to it there (the same fragment layout: thread tid's elements).
+      float4* staged = reinterpret_cast<float4*>(sdQ);
+      if (!SPLIT_KEYS || wg == 0) mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
+      if (SPLIT_KEYS && wg == 1) named_barrier_sync(STAGED_BARRIER, CONSUMER_THREADS);
 #pragma unroll
-      for (int nt = 0; nt < NT_DQ; ++nt)
-        reinterpret_cast<float4*>(sdQ)[(wg * NT_DQ + nt) * 128 + tid] =
-            make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
-      fence_proxy_async_shared();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&bar.dq_full);
+      for (int nt = 0; nt < NT_DQ; ++nt) {
+        float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
+        const int at = ((SPLIT_KEYS ? 0 : wg) * NT_DQ + nt) * 128 + tid;
+        if (SPLIT_KEYS && wg == 1) {
+          const float4 first = staged[at];
+          v = make_float4(first.x + v.x, first.y + v.y, first.z + v.z, first.w + v.w);
+        }
+        staged[at] = v;
+      }
+      if (SPLIT_KEYS && wg == 0) {
+        named_barrier_arrive(STAGED_BARRIER, CONSUMER_THREADS);  // orders the stores before
+      } else {
+        fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&bar.dq_full);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&bar.kv_empty);
@@ -541,7 +578,7 @@ __global__ void __launch_bounds__(128) attention_backward_dq_from_accum(const __
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
   // staged float4 (wg, nt) of thread tid, at (wg * NT_D / 2 + nt) * 128 + tid, is column tile
-  // wg * NT_D / 2 + nt of its rows
+  // wg * NT_D / 2 + nt of its rows (at HD = 64, one warpgroup's: float4 nt at nt * 128 + tid)
   constexpr int NT_D = HD / 8;
   const int tiles_q = ceil_div(p.seq_q, FUSED_BM), lane = threadIdx.x & 31;
   const i64 index = blockIdx.x;

@@ -150,7 +150,7 @@ def test_features_of_a_problem_pick_the_instances():
     # windows take the fused backward at d = 128 and the split TMA kernels where asked; the
     # softcap runs its backward on mma.sync (Hopper's backward kernels have no registers for it)
     # and its forward on TMA; ALiBi takes the fused backward at d = 128 (the split TMA kernels
-    # where asked), and the wgmma one at d = 64
+    # where asked) and at d = 64 (the wgmma kernels where the split ones are asked)
     alibi = problem(head_dim=128, alibi=True, window=(None, None))
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
@@ -162,8 +162,10 @@ def test_features_of_a_problem_pick_the_instances():
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
     assert launches.dkdv.aligned.spec.schedule == "bounded"
-    alibi = problem(head_dim=64, alibi=True)
+    alibi = problem(head_dim=64, alibi=True)  # the split TMA dK/dV kernel spills: fused
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
+    launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132, split)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "wgmma"
     launches = _dispatch.backward(window, strides_of(window), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
@@ -278,11 +280,32 @@ def test_the_fused_backward_takes_the_bounded_schedule_under_a_right_bound(windo
     assert _dispatch.backward_workspace(p).accum > 0
 
 
+def test_the_fused_backward_at_d_64_leaves_causal_calls_to_the_split_kernels():
+    # where those are faster (fused 0.94-0.98x: _dispatch.fused_backward_chosen); an explicit
+    # choice still gets the fused kernels, and the workspace follows the choice
+    fused = KernelChoice(backward="fused")
+    causal = problem(head_dim=64, seq_q=1000, seq_k=1000)
+    assert _dispatch.fused_backward_fits(causal) and not _dispatch.fused_backward_chosen(causal)
+    chosen = _dispatch.backward(causal, strides_of(causal), "sm_90a", 132)
+    assert chosen.dkdv.aligned.spec.path == chosen.dq.aligned.spec.path == "tma"
+    assert _dispatch.backward_workspace(causal).accum == 0
+    asked = _dispatch.backward(causal, strides_of(causal), "sm_90a", 132, fused)
+    assert asked.dkdv.aligned.spec.path == asked.dq.aligned.spec.path == "fused"
+    assert _dispatch.backward_workspace(causal, fused).accum > 0
+    # not causal, a window, ALiBi: fused
+    for change in (dict(window=(None, None)), dict(window=(200, 0)), dict(alibi=True)):
+        p = replace(causal, **change)
+        assert _dispatch.fused_backward_chosen(p), change
+        chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+        assert chosen.dkdv.aligned.spec.path == "fused", change
+    # d = 128: causal calls too
+    assert _dispatch.fused_backward_chosen(replace(causal, head_dim=128))
+
+
 @pytest.mark.parametrize(
     "change",
     [
         dict(window=(100, None)),  # a left bound alone
-        dict(head_dim=64),
         dict(head_dim=256),
         dict(dtype="float32"),
         dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head, no bound

@@ -57,7 +57,8 @@ def fakes(monkeypatch):
     def launch(loaded, grid, device, stream, kernel_params):
         # read the argument block while it holds this call's arguments
         assert stream == 7 and device == 0
-        count = 2 if loaded.spec.path == "tma" else 1
+        spec = loaded.spec  # the TMA kernels take their maps first
+        count = 2 if spec.path == "tma" or (spec.path, spec.family) == ("fused", "dkdv") else 1
         pointers = (ctypes.c_void_p * count).from_address(kernel_params)
         size = ctypes.sizeof(_params.Params)
         params = _params.Params.from_buffer_copy(ctypes.string_at(pointers[-1], size))
@@ -144,7 +145,9 @@ def test_backward_plan_launches(fakes):
     dq, dk, dv = plan(*(x.ptr for x in infos), lsei.ptr)
     (pre, _, pre_params, _), (dkdv, _, kv_params, kv_maps), (dqs, _, q_params, _) = fakes
     assert (pre.family, dkdv.family, dqs.family) == ("preprocess", "dkdv", "dq")
-    assert dkdv.path == dqs.path == "tma" and pre_params.lanes_per_row == 16
+    # causal, d = 128, grouped heads: the fused backward (its sums and counters after D)
+    assert dkdv.path == dqs.path == "fused" and pre_params.lanes_per_row == 16
+    assert kv_params.dq_accum == q_params.dq_accum > pre_params.delta.ptr
     for params in (pre_params, kv_params, q_params):
         assert params.delta.ptr == pre_params.delta.ptr != 0
     assert (q_params.dq.ptr, kv_params.dk.ptr, kv_params.dv.ptr) == (dq.ptr, dk.ptr, dv.ptr)

@@ -54,7 +54,8 @@ def fused_cases(draw):
         group=group,
         seq_q=seq_q,
         seq_k=seq_k,
-        head_dim=draw(st.sampled_from([128, 120, 104, 112])),  # the bucket of 128
+        # the buckets of 64 (the consumers split dQ's keys) and 128
+        head_dim=draw(st.sampled_from([128, 120, 104, 112, 64, 40, 56])),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
         causal=causal,
@@ -90,24 +91,24 @@ def test_fused_backward_against_the_reference(case):
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_turns_across_waves(shape, causal):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_turns_across_waves(shape, causal, head_dim):
     batch, heads_kv, group, seq_q, seq_k = shape
-    shape = (batch, heads_kv, group, seq_q, seq_k, 128)
+    shape = (batch, heads_kv, group, seq_q, seq_k, head_dim)
     case = Case(*shape, "bfloat16", "bshd", causal, None, "contiguous", 11)
     plans = check_case(case, "fused waves", FUSED)
     assert backward_paths(plans) == ("fused", "fused")
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_backward_is_deterministic_and_the_default(causal):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
     import cuflash
 
     gen = torch.Generator(device="cuda").manual_seed(5)
-    kv_heads = 2
-    q, do = (torch.randn(2, 3000, 8, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (
-        torch.randn(2, 3072, kv_heads, 128, generator=gen, device="cuda").bfloat16() for _ in "ab"
-    )
+    kv_heads, d = 2, head_dim
+    q, do = (torch.randn(2, 3000, 8, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(2, 3072, kv_heads, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
     first = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
     for _ in range(3):
@@ -157,10 +158,17 @@ def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
-    "where,value",
-    [("q", float("nan")), ("k", float("nan")), ("v", float("inf")), ("do", float("nan"))],
+    "where,value,head_dim",
+    [
+        ("q", float("nan"), 128),
+        ("k", float("nan"), 128),
+        ("v", float("inf"), 128),
+        ("do", float("nan"), 128),
+        ("q", float("nan"), 64),
+        ("k", float("inf"), 64),
+    ],
 )
-def test_a_nonfinite_input_reaches_what_depends_on_it(where, value, causal):
+def test_a_nonfinite_input_reaches_what_depends_on_it(where, value, head_dim, causal):
     # Without a mask every key meets every query in the products, so a non-finite element reaches
     # exactly what the float64 reference says. Causal: pairs a query may not see still meet in
     # the diagonal tiles' products (P = 0, dS = 0: 0 x NaN), and the repair recomputes the rows
@@ -172,10 +180,9 @@ def test_a_nonfinite_input_reaches_what_depends_on_it(where, value, causal):
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     kv_heads = 2
-    q, do = (torch.randn(1, 300, 4, 128, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (
-        torch.randn(1, 384, kv_heads, 128, generator=gen, device="cuda").bfloat16() for _ in "ab"
-    )
+    d = head_dim
+    q, do = (torch.randn(1, 300, 4, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(1, 384, kv_heads, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
     inputs = {"q": q, "k": k, "v": v, "do": do}
     bad = {name: x.clone() for name, x in inputs.items()}
     bad[where][0, 150, 1, 3] = value
