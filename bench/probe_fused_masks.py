@@ -4,7 +4,8 @@ bf16, d = 128 (or --head-dim), interleaved rounds in one process; TFLOP/s count 
 (query, key) pairs (backward: 10 * B * H * pairs * d, docs/DESIGN.md). Writes
 probe_fused_masks.txt (probe_fused_masks_d<d>.txt for another head dim) under --out.
 
-    python bench/probe_fused_masks.py [--out DIR] [--rounds N] [--head-dim D]
+    python bench/probe_fused_masks.py [--out DIR] [--rounds N] [--head-dim D] [--stages S ...]
+        [--cases TEXT]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from bench_attention import time_ms  # noqa: E402
 from bench_score_mods import visible_pairs  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import testing  # noqa: E402
+from cuflash import _kernels, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
 # (label, batch, seq_q, seq_k, heads_q, heads_kv, causal, window, alibi)
@@ -52,14 +53,22 @@ def main() -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--stages", type=int, nargs="*", default=[], help="fused columns with these Q/dO stages too"
+    )
+    parser.add_argument("--cases", default="", help="only the cases whose label contains this")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     d = args.head_dim
+    fused_tiles = {f"s={s}": (*_kernels.FUSED_TILES, s) for s in args.stages}
+    extra = "".join(f" {name:>7}" for name in fused_tiles)
     lines = [
         f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
-        f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}  x split  path",
+        f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}{extra}  x split  path",
     ]
     for label, b, n, nk, hq, hkv, causal, window, alibi in CASES:
+        if args.cases not in label:
+            continue
         q, do = (torch.randn(b, n, hq, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
         k, v = (torch.randn(b, nk, hkv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
         options = dict(causal=causal, window=window)
@@ -67,8 +76,10 @@ def main() -> int:
             options["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
         o, lse = cuflash.attention_forward(q, k, v, **options)
         runs = {}
-        for name in ("fused", "split"):
-            choice = KernelChoice(backward=name)
+        choices = {name: KernelChoice(backward=name) for name in ("fused", "split")}
+        for name, tiles in fused_tiles.items():
+            choices[name] = KernelChoice(backward="fused", tiles=((("dkdv", "fused"), tiles),))
+        for name, choice in choices.items():
             *_, plan = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
             runs[name] = (choice, plan.dkdv.aligned.launch.spec.path)
         times = {name: [] for name in runs}
@@ -85,7 +96,8 @@ def main() -> int:
         tf = {m: 10 * b * hq * pairs * d / statistics.median(t) / 1e9 for m, t in times.items()}
         lines.append(
             f"{label:<22} {b:>2} {n:>6} {hq:>3}/{hkv:<3}  {tf['fused']:7.1f} {tf['split']:7.1f}"
-            f"  {tf['fused'] / tf['split']:6.3f}  {runs['fused'][1]}"
+            + "".join(f" {tf[name]:7.1f}" for name in fused_tiles)
+            + f"  {tf['fused'] / tf['split']:6.3f}  {runs['fused'][1]}"
         )
         print(lines[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,8 @@ BACKWARD_TENSORS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv"
 # their work lists' workspace (_dispatch.work_list_bytes, sized from the problem alone: every
 # packed call has one; launches without a list, off Hopper or unaligned, leave it unread).
 PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "work_list")
-# Where the fused backward is chosen (_dispatch.backward_workspace), the backward's launches also take
-# the pointers of its dQ sums and counters, inside D's buffer, last.
+# Where the fused backward is chosen (_dispatch.backward_workspace), the backward's launches also
+# take the pointers of its dQ sums and counters, inside D's buffer, last.
 FUSED_WORKSPACE = ("dq_accum", "dq_semaphores")
 
 

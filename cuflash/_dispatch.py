@@ -189,9 +189,10 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     """Whether the backward of `p` takes the fused kernels where the GPU (sm_90a) and the strides
     (TMA-readable) allow: where it fits (fused_backward_fits) and the choice allows it (backward
     not "split", path None or "tma"), and, unless the choice asks for it, where it is the faster.
-    At d = 64 a causal mask (a right bound and no left bound) runs faster on the split TMA kernels
-    (fused 0.94-0.98x of them at N = 1k-4k, H100: docs/perf/NOTES.md, v23), where those serve the
-    call (not with ALiBi: the table takes the wgmma kernels there, fused ran 1.6x of them)."""
+    At d = 64 a causal mask (a right bound and no left bound) over more keys than queries runs
+    faster on the split TMA kernels (fused 0.87-0.94x of them at Nk = 2 Nq, H100:
+    docs/perf/NOTES.md, v23), where those serve the call (not with ALiBi: the table takes the
+    wgmma kernels there)."""
     if choice.backward == "split" or choice.path not in (None, "tma") or not fused_backward_fits(p):
         return False
     if choice.backward == "fused":
@@ -199,7 +200,7 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     bucket = _kernels.head_dim_bucket(p.head_dim)
     causal_like = p.mask.bounded_right and not p.mask.local
     split_tma = "tma" in _kernels.paths("dkdv", p.dtype, p.head_dim, "sm_90a", features(p))
-    return not (bucket == 64 and causal_like and split_tma)
+    return not (bucket == 64 and causal_like and p.seq_k > p.seq_q and split_tma)
 
 
 def fused_schedule(p: Problem) -> str:
@@ -271,8 +272,9 @@ def backward(
     fused = readable and arch == "sm_90a" and fused_backward_chosen(p, choice)
     maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
     if fused:
+        tiles = choice.tiles_for("dkdv", "fused")  # (BM, BN, STAGES): the table's when None
         spec = _kernels.instance(
-            "dkdv", "fused", p.dtype, p.head_dim, None, features(p), schedule=fused_schedule(p)
+            "dkdv", "fused", p.dtype, p.head_dim, tiles, features(p), schedule=fused_schedule(p)
         )
         blocks = _ceil_div(p.seq_k, spec.rows_per_block)
         dkdv = _persistent_launch(p, spec, p.heads_kv, blocks, sm_count, maps, family="dkdv")

@@ -151,13 +151,16 @@ _TMA_TILES = {
     "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
-# The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN, STAGES)
-# (two consumer warpgroups of 64 keys, 64-row query tiles), its schedules (the dK/dV kernel's
-# order of query tiles and turns: "rotated" for masks without a right bound, "bounded" for those
+# The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN) (two
+# consumer warpgroups of 64 keys, 64-row query tiles), the stages of Q and dO per bucket (d = 64's
+# steps are short: more of them in flight), its schedules (the dK/dV kernel's order of query
+# tiles and turns: "rotated" for masks without a right bound, "bounded" for those
 # with one, such as causal and windows), the features it has (no softcap or packing; a left bound
 # only with the bounded order), and the threads of the dQ kernel that reads its sums.
 FUSED_BACKWARD_BUCKETS = (64, 128)
-FUSED_TILES = (64, 128, 2)
+FUSED_TILES = (64, 128)
+SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90
+FUSED_STAGES = {64: 4, 128: 2}
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
@@ -289,6 +292,8 @@ def default_tiles(
         if long_tiles and seq_q >= long_tiles[0] and (features & spills) != spills:
             return long_tiles[1]
         return _TMA_TILES[family][bucket]
+    if path == "fused":
+        return (*FUSED_TILES, FUSED_STAGES[bucket]) if family == "dkdv" else ()
     if path == "wgmma":
         return _WGMMA_TILES[family][bucket]
     if path == "mma":
@@ -358,7 +363,7 @@ def instance(
     elif schedule is not None:
         raise ValueError("only the TMA forward and the fused dK/dV kernel take a schedule")
     if path == "fused":
-        return _fused_instance(spec, name, family, elem, hd, features, schedule)
+        return _fused_instance(spec, name, family, elem, hd, tiles, features, schedule)
     if path == "tma":
         return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule)
     if o_via_tma:
@@ -436,20 +441,25 @@ def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
     )
 
 
-def _fused_instance(spec, name, family, elem, hd, features, schedule) -> KernelSpec:
+def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> KernelSpec:
     if hd not in FUSED_BACKWARD_BUCKETS or features & ~FUSED_FEATURES:
         raise ValueError(f"no fused backward at head dim {hd} with features {features}")
     if family == "dkdv" and features & FEATURE_LOCAL and schedule != "bounded":
         raise ValueError("a window (FEATURE_LOCAL) takes the fused backward's bounded schedule")
-    bm, bn, stages = FUSED_TILES
+    bm, bn = FUSED_TILES
     if family == "dq":  # a block per (batch, query head, query tile)
         return spec(f"{name}<{elem}, {hd}, {features}>", FUSED_DQ_THREADS, 0, bm, 0)
+    if len(tiles) != 3 or tuple(tiles[:2]) != FUSED_TILES or not 2 <= tiles[2] <= 4:
+        raise ValueError(f"fused dK/dV tiles must be {FUSED_TILES} and 2-4 stages, got {tiles}")
+    stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ,
     # lse2 and D per stage, the barriers (8 of 8 bytes with two stages), the repair flags (8 of 4
     # bytes), 1 KB alignment slack
     row_bytes = hd * 2
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + bm * hd * 4
     smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 4 * 8 + 1024
+    if smem > SM90_MAX_SMEM:
+        raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {bounded}, {features}>"
     return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)

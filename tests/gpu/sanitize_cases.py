@@ -245,8 +245,8 @@ def main() -> int:
                     (520, 520, "", 2),
                     (300, 330, "window", 1),
                 )
-                for nq, nk, mods, kv_heads in causal:
-                    run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=kv_heads)
+                for nq, nk, mods, kv in causal:
+                    run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=kv)
                 count += 1 + len(causal)
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:

@@ -39,9 +39,8 @@ def fused_cases(draw):
     mask = draw(st.sampled_from(["none", "causal", "window"]))
     causal = mask == "causal"
     # sliding windows (a left bound alone keeps the split kernels)
-    window = (
-        draw(st.sampled_from([(64, 0), (300, 20), (50, None), (2000, 0)])) if mask == "window" else None
-    )
+    windows = [(64, 0), (300, 20), (50, None), (2000, 0)]
+    window = draw(st.sampled_from(windows)) if mask == "window" else None
     # grouped heads, under a bound too (the turns' order of FusedBoundedOrder at the second step
     # depends on the group and the window's width)
     group = 1 if two_d else draw(st.sampled_from([1, 2, 4, 8]))
@@ -106,9 +105,9 @@ def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
     import cuflash
 
     gen = torch.Generator(device="cuda").manual_seed(5)
-    kv_heads, d = 2, head_dim
+    kv, d = 2, head_dim
     q, do = (torch.randn(2, 3000, 8, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
-    k, v = (torch.randn(2, 3072, kv_heads, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(2, 3072, kv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
     first = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
     for _ in range(3):

@@ -54,7 +54,8 @@ def test_aligned_calls_take_the_tma_kernels_and_unaligned_ones_do_not(head_dim, 
             bwd.dkdv.aligned.launch.spec.path,
             bwd.dq.aligned.launch.spec.path,
         )
-        # the fused backward where the library chooses it (d = 40-128; not causal at d <= 64)
+        # the fused backward where the library chooses it (d = 40-128; at d <= 64 not under a
+        # causal mask with more keys than queries)
         fused = tma and _dispatch.fused_backward_chosen(bwd.p)
         expected = ("tma", "fused", "fused") if fused else ("tma",) * 3
         assert (paths == expected) == tma, (storage, paths)
