@@ -11,7 +11,7 @@
 //     two tiles used in turn, so that one barrier a tile orders the consumers);
 //   - each computes dQ_part = dS K for half of the head dim (wgmma, A = dS^T read MN-major,
 //     B = K read MN-major) and stores it, in fragment order, into a staging tile (at d = 64: for
-//     every column over its own keys, the second consumer adding its part to the first's);
+//     every column over its own keys, the second consumer staging the sum of both parts);
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
 //     in its turn: the tile's counter says how many items have added theirs. It waits for the
@@ -304,12 +304,12 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   constexpr int CONSUMERS = BN / 64;
   // dQ_part = dS K: at HD = 128 each consumer computes the columns of one 64-column block of K
   // over all BN keys. At HD = 64 a consumer's share of the columns (32) is not a swizzle atom of
-  // K read MN-major, so each computes all HD columns over its own 64 keys, and the second adds
-  // its partial to the first's in the staging tile (SPLIT_KEYS).
+  // K read MN-major, so each computes all HD columns over its own 64 keys, and the second stages
+  // the sum of both parts (SPLIT_KEYS).
   constexpr bool SPLIT_KEYS = HD < 64 * CONSUMERS;
   static_assert(!SPLIT_KEYS || (HD == 64 && CONSUMERS == 2), "keys split between two consumers");
   constexpr int DQ_COLS = SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
-  constexpr int STAGED_BARRIER = 2;  // SPLIT_KEYS: the first consumer's partial is staged
+  constexpr int STAGED_BARRIER = 2;  // SPLIT_KEYS: the first consumer's part is in sdQ_first
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -328,7 +328,8 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;  // STAGES tiles
   unsigned char* sdS = sdO + STAGES * ROWS_BYTES; // dS^T, two tiles: BN key rows of BM queries
   float* sdQ = reinterpret_cast<float*>(sdS + 2 * DS_BYTES);  // staging tile, fragment order
-  float* s_lse2 = sdQ + BM * HD;                           // STAGES x BM
+  float* sdQ_first = sdQ + BM * HD;  // SPLIT_KEYS: the first consumer's part, fragment order
+  float* s_lse2 = sdQ_first + (SPLIT_KEYS ? BM * HD : 0);  // STAGES x BM
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   FusedBarriers<STAGES>& bar = *reinterpret_cast<FusedBarriers<STAGES>*>(s_delta + STAGES * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init(&bar.kv_empty, 4 * CONSUMERS);
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
     mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS);
-    mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every (last) consumer warp
+    mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
     mbar_init(&bar.dq_empty, 1);             // the writer
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     fence_barrier_init();
@@ -519,24 +520,28 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
       // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
-      // reads this order). SPLIT_KEYS: the first consumer stores its partial at nt * 128 + tid,
-      // the second adds its own to it there (the same fragment layout: thread tid's elements).
-      float4* staged = reinterpret_cast<float4*>(sdQ);
-      if (!SPLIT_KEYS || wg == 0) mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
-      if (SPLIT_KEYS && wg == 1) named_barrier_sync(STAGED_BARRIER, CONSUMER_THREADS);
-#pragma unroll
-      for (int nt = 0; nt < NT_DQ; ++nt) {
-        float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
-        const int at = ((SPLIT_KEYS ? 0 : wg) * NT_DQ + nt) * 128 + tid;
-        if (SPLIT_KEYS && wg == 1) {
-          const float4 first = staged[at];
-          v = make_float4(first.x + v.x, first.y + v.y, first.z + v.z, first.w + v.w);
-        }
-        staged[at] = v;
-      }
+      // reads this order). SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
+      // own tile (the second read the last one before the barrier above), and the second stages
+      // the sum (the same fragment layout: thread tid's elements), so that each tile has one writer.
+      const float4* first = reinterpret_cast<const float4*>(sdQ_first);
       if (SPLIT_KEYS && wg == 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT_DQ; ++nt)
+          reinterpret_cast<float4*>(sdQ_first)[nt * 128 + tid] =
+              make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
         named_barrier_arrive(STAGED_BARRIER, CONSUMER_THREADS);  // orders the stores before
       } else {
+        mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
+        if (SPLIT_KEYS) named_barrier_sync(STAGED_BARRIER, CONSUMER_THREADS);
+#pragma unroll
+        for (int nt = 0; nt < NT_DQ; ++nt) {
+          float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
+          if (SPLIT_KEYS) {
+            const float4 a = first[nt * 128 + tid];
+            v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
+          }
+          reinterpret_cast<float4*>(sdQ)[((SPLIT_KEYS ? 0 : wg) * NT_DQ + nt) * 128 + tid] = v;
+        }
         fence_proxy_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(&bar.dq_full);
