@@ -453,12 +453,12 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
         raise ValueError(f"fused dK/dV tiles must be {FUSED_TILES} and 2-4 stages, got {tiles}")
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
-    # (and at d = 64 the first consumer's part), lse2 and D per stage, the barriers (8 of 8 bytes
+    # (and at d = 64 the first consumer's part), lse2 and D per stage, the barriers (9 of 8 bytes
     # with two stages), the repair flags (8 of 4 bytes), 1 KB alignment slack
     row_bytes = hd * 2
     dq_tiles = 2 if hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
-    smem += 8 * stages * bm + 8 * (4 + 2 * stages) + 4 * 8 + 1024
+    smem += 8 * stages * bm + 8 * (5 + 2 * stages) + 4 * 8 + 1024
     if smem > SM90_MAX_SMEM:
         raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")

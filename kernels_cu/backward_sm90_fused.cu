@@ -283,6 +283,7 @@ struct FusedBarriers {
   unsigned long long kv_full, kv_empty;  // K and V of a work item
   unsigned long long q_full[STAGES], q_empty[STAGES];
   unsigned long long dq_full, dq_empty;  // the staging tile of dQ partial sums
+  unsigned long long dq_first;           // d = 64: the first consumer's part is in its tile
   // bounded masks: some dK or dV row of consumer warp w was non-finite (repair_fused_dkdv); in
   // shared memory rather than a register live through the main loop, where ALiBi's spilled
   int repair[8];
@@ -309,7 +310,6 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   constexpr bool SPLIT_KEYS = HD < 64 * CONSUMERS;
   static_assert(!SPLIT_KEYS || (HD == 64 && CONSUMERS == 2), "keys split between two consumers");
   constexpr int DQ_COLS = SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
-  constexpr int STAGED_BARRIER = 2;  // SPLIT_KEYS: the first consumer's part is in sdQ_first
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -344,6 +344,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS);
     mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
     mbar_init(&bar.dq_empty, 1);             // the writer
+    mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     fence_barrier_init();
   }
@@ -523,16 +524,18 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       // reads this order). SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
       // own tile (the second read the last one before the barrier above), and the second stages
       // the sum (the same fragment layout: thread tid's elements), so that each tile has one writer.
+      // Every thread arrives and waits on an mbarrier (rather than a named barrier's arrive, or one
+      // lane's arrive after __syncwarp): the pattern racecheck follows.
       const float4* first = reinterpret_cast<const float4*>(sdQ_first);
       if (SPLIT_KEYS && wg == 0) {
 #pragma unroll
         for (int nt = 0; nt < NT_DQ; ++nt)
           reinterpret_cast<float4*>(sdQ_first)[nt * 128 + tid] =
               make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
-        named_barrier_arrive(STAGED_BARRIER, CONSUMER_THREADS);  // orders the stores before
+        mbar_arrive(&bar.dq_first);
       } else {
         mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
-        if (SPLIT_KEYS) named_barrier_sync(STAGED_BARRIER, CONSUMER_THREADS);
+        if (SPLIT_KEYS) mbar_wait(&bar.dq_first, pipe & 1);
 #pragma unroll
         for (int nt = 0; nt < NT_DQ; ++nt) {
           float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
