@@ -32,8 +32,8 @@
 //     a round of the walk (paired: heavy items with light, common.cuh, WorkWalk) a tile's
 //     additions come step by step, after those of earlier rounds, and within a step in the order
 //     the items reach the tile (from the last key block down, or, with grouped heads under a
-//     causal mask or a wide window, up at the second step): a single order of the items, so the waits cannot form
-//     a cycle, and one that follows their arrival, so they seldom wait.
+//     causal mask or a wide window, up at the second step): a single order of the items, so the
+//     waits cannot form a cycle, and one that follows their arrival, so they seldom wait.
 // Masked tiles: pairs a query may not see get P = 0 and dS = 0, and so do the padding keys of a
 // partial last key block, whose dS would reach dQ (unbounded masks have no masked tiles: there
 // those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair the rows a
