@@ -564,3 +564,21 @@ def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads
         assert walk_time(flipped) <= 1.02 * free
     else:
         assert walk_time(flipped) >= other * free
+
+
+def test_the_fused_dkdv_kernels_stages_come_from_the_table_or_the_choice():
+    stages = {
+        hd: _kernels.instance(
+            "dkdv", "fused", "bfloat16", hd, None, schedule="bounded"
+        ).name_expression.split(", ")[4]
+        for hd in (64, 128)
+    }
+    assert stages == {64: "4", 128: "2"}  # _kernels.FUSED_STAGES
+    p = problem(head_dim=128, seq_q=1000, seq_k=1000)
+    three = KernelChoice(tiles=((("dkdv", "fused"), (64, 128, 3)),))
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132, three)
+    assert chosen.dkdv.aligned.spec.name_expression.split(", ")[4] == "3"
+    # other tiles than (64, 128), stages past 2-4, or more shared memory than sm_90 has: refused
+    for hd, tiles in ((128, (64, 64, 2)), (64, (64, 128, 5)), (128, (64, 128, 4))):
+        with pytest.raises(ValueError, match="fused dK/dV tiles"):
+            _kernels.instance("dkdv", "fused", "bfloat16", hd, tiles, schedule="bounded")
