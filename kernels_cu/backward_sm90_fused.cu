@@ -495,22 +495,18 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
       keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
       // dQ_part = dS K for head-dim columns 64 wg .. (SPLIT_KEYS: all columns, keys 64 wg ..):
-      // A = dS^T, B = K, both read MN-major; k16 step kk covers keys 16 kk .. 16 kk + 15.
+      // A = dS^T, B = K (from its column block), both read MN-major; k16 step k covers keys
+      // 16 k .. 16 k + 15.
       float acc_dq[NT_DQ][4];
+      constexpr int K16_STEPS = SPLIT_KEYS ? 4 : BN / 16;
+      const int k16_first = SPLIT_KEYS ? 4 * wg : 0;
+      const unsigned char* k_cols = sK + (SPLIT_KEYS ? 0 : wg * (BN * 128));
       wgmma_fence();
-      if constexpr (SPLIT_KEYS) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const int k16 = 4 * wg + kk;
-          wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + k16 * 2048, BN * 128, 1024),
-                                     smem_desc(sK + k16 * 2048, BN * 128, 1024), kk > 0);
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + kk * 2048, BN * 128, 1024),
-                                     smem_desc(sK + wg * (BN * 128) + kk * 2048, BN * 128, 1024),
-                                     kk > 0);
+      for (int kk = 0; kk < K16_STEPS; ++kk) {
+        const int k16 = k16_first + kk;
+        wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + k16 * 2048, BN * 128, 1024),
+                                   smem_desc(k_cols + k16 * 2048, BN * 128, 1024), kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();

@@ -234,7 +234,7 @@ def main() -> int:
             count += 4
             if dtype in (torch.float16, torch.bfloat16):
                 run_nan_key_before_row_0(choice, dtype, d)
-                # the fused backward (d = 128): several key blocks and query tiles, a partial
+                # the fused backward (d = 64, 128): several key blocks and query tiles, a partial
                 # last key block, causal with rows that see no key, a window; grouped heads
                 # (4 / 2, 4 / 1) and not
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
