@@ -409,25 +409,30 @@ def bounded_turn(
     return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi)
 
 
+def kernels_rising(mask, group: int) -> bool:
+    """FusedSteps<true, LOCAL>::of's second_rising: grouped heads, no left bound nearer than half
+    the keys."""
+    return group > 1 and mask.left >= mask.nk - mask.left
+
+
 def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None):
     """The fused kernel's bounded walk (common.cuh, WorkWalk, paired), each block's items in walk
-    order, an item being the (query tile, turn, masked) of each of its steps: the lists (ascending
-    query tiles of the block's rows, head by head), FusedSteps::masked and the turns. `rising`:
-    None for the kernel's choice, else forced (to show what the other order does)."""
+    order, an item being the (query tile, turn) of each of its steps: the lists (ascending query
+    tiles of the block's rows, head by head) and the turns. `rising`: None for the kernel's
+    choice (kernels_rising), else forced (to show what the other order does)."""
     from cuflash._mask import Mask
 
     bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
     mask = Mask.of(nq, nk, bounds)
     n = -(-nk // bn)
     num_work = heads * n
-    if rising is None:  # FusedSteps<true, LOCAL>::of
-        rising = group > 1 and mask.left >= mask.nk - mask.left
+    if rising is None:
+        rising = kernels_rising(mask, group)
 
     def steps_of(item):
         pos = item % n
         block = (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
         t = mask.query_tiles(block * bn, bn, bm)
-        full_begin = t.end if (block + 1) * bn > nk else t.full_begin  # padding keys: all masked
         out = []
         for h in range(group):
             for q in range(t.begin, t.end):
@@ -435,7 +440,7 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None):
                 assert keys.begin <= block < keys.end
                 tile = ((item // n) * group + h, q)
                 turn = bounded_turn(item, n, grid, True, rising, block, keys.begin, keys.end - 1)
-                out.append((tile, turn, q < full_begin or q >= t.full_end))
+                out.append((tile, turn))
         return out
 
     walks = []
@@ -474,7 +479,7 @@ def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
     bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
     bounds = right if isinstance(right, tuple) else (None, right)
     mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
-    queues = [[step[:2] for item in walk for step in item] for walk in walks]
+    queues = [[step for item in walk for step in item] for walk in walks]
     tiles_q = -(-nq // bm)
     turns = {}
     for walk in queues:
@@ -519,7 +524,7 @@ def walk_time(walks, turns: bool = True, add: float = 0.15, epilogue: float = 1.
                     moved = True
                     left -= c[2] == len(walk)
                     continue
-                tile, turn, _ = walk[c[2]][c[3]]
+                tile, turn = walk[c[2]][c[3]]
                 ready = 0.0
                 if turns and turn > 0:
                     if (tile, turn - 1) not in done:
@@ -558,7 +563,7 @@ def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads
     mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
     free = walk_time(walks, turns=False)
     assert walk_time(walks) <= 1.02 * free
-    rising = group > 1 and mask.left >= mask.nk - mask.left
+    rising = kernels_rising(mask, group)
     _, flipped = bounded_walk(nq, nk, bounds, group, heads, grid, rising=not rising)
     if other is None:
         assert walk_time(flipped) <= 1.02 * free
