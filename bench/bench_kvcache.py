@@ -49,7 +49,7 @@ def variant(kernels: str | None = None, stages: int | None = None, serial: bool 
     """The decoding kernel built from other sources, or with other stages, or (serial) the
     combine launched the ordinary way, not programmatically, inside the block: the compiled
     modules, plans and sources are dropped on the way in and out."""
-    from cuflash import _compile, _kernels, _launch, _plans
+    from cuflash import _compile, _kernels, _kvcache_cuda, _launch, _plans
 
     def reset() -> None:
         _compile._loaded.clear()
@@ -59,6 +59,10 @@ def variant(kernels: str | None = None, stages: int | None = None, serial: bool 
         _kernels.kvcache_instance.cache_clear()
 
     saved = (_kernels.kernel_dir, _kernels.decode_stages, _launch.launch)
+    saved_maps = _kvcache_cuda.decode_box_maps
+    source = (Path(kernels) / "kvcache.cu").read_text() if kernels is not None else ""
+    if kernels is not None and "attention_decode_boxes" not in source:
+        _kvcache_cuda.decode_box_maps = lambda call: None  # sources from before the boxes (v24)
     if serial:
         launch = _launch.launch
         _launch.launch = lambda *args, programmatic=False: launch(*args[:5])
@@ -71,6 +75,7 @@ def variant(kernels: str | None = None, stages: int | None = None, serial: bool 
         yield
     finally:
         _kernels.kernel_dir, _kernels.decode_stages, _launch.launch = saved
+        _kvcache_cuda.decode_box_maps = saved_maps
         reset()
 
 

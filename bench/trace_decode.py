@@ -55,12 +55,12 @@ PATCHES = [
         "  const unsigned long long trace_t0 = trace_now();\n  unsigned long long trace_f = 0;\n",
     ),
     (
-        "  if constexpr (BULK) cp_async_wait<0>();  // Q\n",
+        "  softmax.init(p.p_shift);\n",  # after the wait for Q
         "  const unsigned long long trace_t1 = trace_now();\n",
     ),
     (
-        "    if constexpr (BULK) mbar_wait(&s_full[it % STAGES], (it / STAGES) & 1);\n",
-        "    if (trace_f == 0) trace_f = trace_now();\n",
+        "      mbar_wait(&s_full[stage], (it / STAGES) & 1);\n",
+        "      if (trace_f == 0) trace_f = trace_now();\n",
     ),
     (
         "  __syncthreads();  // every warp is done with the tiles: "

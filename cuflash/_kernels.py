@@ -646,6 +646,18 @@ def decode_bulk(arch: str) -> bool:
     return arch == "sm_90a"
 
 
+# Head dims whose decoding kernel on sm_90 also comes with its key/value tiles copied as boxes of
+# the caches' tensor maps (kernels_cu/kvcache.cu, attention_decode_boxes): rows of 64 or 128
+# elements, whole 128-byte swizzle rows.
+DECODE_BOX_HEAD_DIMS = (64, 128)
+
+
+def decode_boxes(arch: str, head_dim: int) -> bool:
+    """Whether `arch` has a decoding instance that copies whole tiles as tensor-map boxes at this
+    head dim (its bucket)."""
+    return decode_bulk(arch) and head_dim_bucket(head_dim) in DECODE_BOX_HEAD_DIMS
+
+
 def decode_stages(head_dim: int) -> int:
     """Key/value stages of the decoding kernel: three up to d = 128, two above (shared memory)."""
     return 3 if head_dim_bucket(head_dim) <= 128 else 2
@@ -653,10 +665,16 @@ def decode_stages(head_dim: int) -> int:
 
 @cache
 def kvcache_instance(
-    family: str, dtype: str, head_dim: int = 0, features: int = 0, bulk: bool = False
+    family: str,
+    dtype: str,
+    head_dim: int = 0,
+    features: int = 0,
+    bulk: bool = False,
+    boxes: bool = False,
 ) -> KernelSpec:
     """An instance of kernels_cu/kvcache.cu: family "append", "decode", "decode_combine",
-    "pack_offsets" or "gather"; `bulk`: the decoding kernel's bulk-copy loads (decode_bulk)."""
+    "pack_offsets" or "gather"; `bulk`: the decoding kernel's bulk-copy loads (decode_bulk);
+    `boxes`: its tiles as tensor-map boxes (decode_boxes)."""
     if dtype not in DTYPES:
         raise ValueError(f"no kernel for dtype {dtype!r}")
     if family in ("append", "gather") and dtype == "bfloat16":
@@ -686,10 +704,18 @@ def kvcache_instance(
     if family != "decode":
         raise ValueError(f"no KV-cache kernel family {family!r}")
     stages = decode_stages(hd)
-    smem = (DECODE_ROWS + 2 * stages * DECODE_KEYS) * (hd + 8) * 2 + 2 * 2 * DECODE_KEYS * 8
-    smem += 8 * stages if bulk else 0  # a barrier per stage
-    flag = "true" if bulk else "false"
-    expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {flag}, {features}>"
+    if boxes and hd not in DECODE_BOX_HEAD_DIMS:
+        raise ValueError(f"no decoding kernel with boxes at head dim {hd}")
+    # Q, the stages' K and V tiles (rows of hd + 8 elements, or boxes' rows of hd after up to
+    # 1 KB of alignment), the row offsets of two key tiles, a barrier per stage (bulk copies)
+    tile_row = hd if boxes else hd + 8
+    smem = DECODE_ROWS * (hd + 8) * 2 + 2 * stages * DECODE_KEYS * tile_row * 2
+    smem += 2 * 2 * DECODE_KEYS * 8 + (8 * stages if bulk or boxes else 0) + (1024 if boxes else 0)
+    if boxes:
+        expr = f"cuflash::attention_decode_boxes<{elem}, {hd}, {stages}, {features}>"
+    else:
+        flag = "true" if bulk else "false"
+        expr = f"cuflash::attention_decode<{elem}, {hd}, {stages}, {flag}, {features}>"
     return spec(expr, DECODE_THREADS, smem, hd, DECODE_ROWS, DECODE_KEYS)
 
 
@@ -703,4 +729,6 @@ def kvcache_specs(arch: str = "sm_80") -> set[KernelSpec]:
             specs.add(kvcache_instance("decode_combine", dt, hd))
             for features in DECODE_FEATURE_SETS:
                 specs.add(kvcache_instance("decode", dt, hd, features, decode_bulk(arch)))
+                if decode_boxes(arch, hd):
+                    specs.add(kvcache_instance("decode", dt, hd, features, True, boxes=True))
     return specs

@@ -20,7 +20,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from . import _compile, _dispatch, _kernels, _launch, _params
+from . import _compile, _dispatch, _kernels, _launch, _params, _tma
 from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, CudaAllocator, cupy_stream, stream_getter
 from ._kvcache import Call, map_arrays
@@ -113,6 +113,41 @@ def blocks_per_sm(spec: _kernels.KernelSpec, device: int) -> int:
     return max(1, _compile.shared_memory_per_sm(device) // (spec.smem_bytes + 1024))
 
 
+def decode_box_maps(call: Call) -> tuple[_tma.TileMap, _tma.TileMap] | None:
+    """The tensor maps (K, V) of the caches for the decoding kernel that copies whole key tiles
+    (kernels_cu/kvcache.cu, attention_decode_boxes): each cache as (d, rows, Hkv, sequences or
+    pages), read in boxes of DECODE_KEYS rows of 64 columns under the 128-byte swizzle (columns
+    past d read as zeros). None where its device has no such kernel for this head dim, where a
+    tile would span pages (a page size that is no multiple of DECODE_KEYS), or where the TMA unit
+    cannot address the caches' strides. Four copies a tile at d = 128 where a copy per row took
+    most of a tile's time (docs/perf/NOTES.md, v24)."""
+    p, cache = call.problem, call.cache
+    arch = _compile.device_arch(p.device[1])
+    if not _kernels.decode_boxes(arch, p.head_dim):
+        return None
+    if cache.paged and cache.rows % _kernels.DECODE_KEYS:
+        return None
+    maps = []
+    for info in (call.k_cache, call.v_cache):
+        shape = (p.head_dim, info.shape[1], p.heads_kv, info.shape[0])
+        try:
+            maps.append(
+                _tma.tile_map(
+                    shape,
+                    _bhs(info.strides),
+                    _kernels.ITEMSIZE[p.dtype],
+                    _kernels.DECODE_KEYS,
+                    _MAP_TEMPLATE_ADDRESS,
+                )
+            )
+        except _tma.TensorMapError:
+            return None
+    return maps[0], maps[1]
+
+
+_MAP_TEMPLATE_ADDRESS = 1 << 20  # a map template's address (each call writes its own in)
+
+
 def _vec_strides(p: Problem, *infos: ArrayInfo) -> bool:
     """Whether the strides and head dim are whole 16-byte units (the pointers are checked per
     call: _vec_pointers)."""
@@ -130,18 +165,31 @@ class _Ready:
     them) into its thread's copy of the arguments."""
 
     def __init__(  # noqa: ANN001
-        self, spec, grid: int, params, tensors: tuple[str, ...], device: int, programmatic=False
+        self,
+        spec,
+        grid: int,
+        params,
+        tensors: tuple[str, ...],
+        device: int,
+        programmatic=False,
+        maps: tuple[_tma.TileMap, ...] = (),
     ) -> None:
         self.loaded = _compile.load(spec, device)
         self.grid, self.params, self.tensors, self.device = grid, params, tensors, device
         self.programmatic = programmatic  # a programmatic launch (cuflash/_launch.py)
+        # tensor maps before Params (the decoding kernel's DecodeMaps), of the first tensors
+        self.maps = maps
         self._threads = threading.local()
 
     def __call__(self, stream: int, pointers: dict[str, int], vec: int | None = None) -> None:
         args = getattr(self._threads, "args", None)
         if args is None:
-            args = self._threads.args = _params.Arguments(self.params, self.tensors)
-        args.set_pointers(tuple(pointers[name] for name in self.tensors))
+            args = _params.Arguments(self.params, self.tensors, len(self.maps))
+            self._threads.args = args
+        ptrs = tuple(pointers[name] for name in self.tensors)
+        args.set_pointers(ptrs)
+        for index, (tile_map, address) in enumerate(zip(self.maps, ptrs, strict=False)):
+            args.set_map(index, tile_map.bytes_for(address))
         if vec is not None:
             args.params.vec = vec
         _launch.launch(self.loaded, self.grid, self.device, stream, args.address, self.programmatic)
@@ -213,13 +261,21 @@ class KVCachePlan:
             self._make_packed()
 
     def _ready(  # noqa: ANN001
-        self, spec, grid: int, tensors: tuple[str, ...], problem=None, programmatic=False, **fields
+        self,
+        spec,
+        grid: int,
+        tensors: tuple[str, ...],
+        problem=None,
+        programmatic=False,
+        maps=(),
+        **fields,
     ) -> _Ready:
         """A launch whose Params hold the problem, the cache fields and `fields`; its pointers
-        are `tensors` plus the call's optional inputs (lengths, block table, slopes)."""
+        are `tensors` plus the call's optional inputs (lengths, block table, slopes); `maps`:
+        tensor maps of its first tensors, passed before Params."""
         extras = tuple(n for n in ("seqused_k", "block_table", "alibi") if n in self.inputs)
         params = _params.fill(problem or self.p, self.strides, **self.fields, **fields)
-        return _Ready(spec, grid, params, tensors + extras, self.device, programmatic)
+        return _Ready(spec, grid, params, tensors + extras, self.device, programmatic, maps)
 
     def _make_decode(self) -> None:
         p, device = self.p, self.device
@@ -242,7 +298,21 @@ class KVCachePlan:
             self.combine = self._ready(
                 combine, p.batch * p.heads_q * p.seq_q, tensors, programmatic=bulk, **fields
             )
-        self.decode = self._ready(spec, grid, tensors, **fields)
+        # Whole tiles as tensor-map boxes where the caches have maps; the row copies otherwise,
+        # and for calls whose pointers are not 16-byte aligned (made on the first such call).
+        self.decode_rows: _Ready | None = None
+        self.decode_boxes: _Ready | None = None
+        self._decode_args = (grid, tensors, fields)
+        maps = decode_box_maps(self.call)
+        if maps is not None:
+            boxes = _kernels.kvcache_instance(
+                "decode", p.dtype, p.head_dim, _dispatch.features(p), True, boxes=True
+            )
+            # the maps are of the tensors k and v: those come first
+            ordered = ("k", "v") + tuple(t for t in tensors if t not in ("k", "v"))
+            self.decode_boxes = self._ready(boxes, grid, ordered, maps=maps, **fields)
+        else:
+            self.decode_rows = self._ready(spec, grid, tensors, **fields)
 
     def _make_dense(self) -> None:
         """Chunked prefill on contiguous caches with lengths known on the host: the dense forward
@@ -314,7 +384,14 @@ class KVCachePlan:
         (by the names of `inputs`), o and lse, and with several splits the float32 scratch
         o_accum (shape `accum_shape`) and lse_accum (its first three dimensions)."""
         vec = int(self.vec_ok and _vec_pointers(ptr["q"], ptr["k"], ptr["v"]))
-        self.decode(stream, ptr, vec)
+        if vec and self.decode_boxes is not None:
+            self.decode_boxes(stream, ptr, vec)
+        else:
+            if self.decode_rows is None:  # a plan with maps meets unaligned pointers
+                grid, tensors, fields = self._decode_args
+                spec = decode_instance(self.p)
+                self.decode_rows = self._ready(spec, grid, tensors, **fields)
+            self.decode_rows(stream, ptr, vec)
         if self.splits > 1:
             self.combine(stream, ptr)
 

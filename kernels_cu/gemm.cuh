@@ -6,12 +6,29 @@
 //                          registers; B = a shared tile stored [k][n]  (O += P V, dQ += dS K, ...)
 //
 // Shared tiles are row-major with a pitch of (HD + 8) elements, which makes every ldmatrix phase
-// touch 8 distinct 16-byte bank groups.
+// touch 8 distinct 16-byte bank groups; the `_in` forms take B in another layout (TileB::at).
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
 
 namespace cuflash {
+
+// Where element (row, col) of a shared tile lives, in elements from the tile's start: row-major
+// with a pitch of PITCH elements ...
+template <int PITCH>
+struct PitchedTile {
+  static __device__ __forceinline__ int at(int row, int col) { return row * PITCH + col; }
+};
+
+// ... or as the TMA unit writes boxes of ROWS rows x 64 columns under the 128-byte swizzle: one box
+// after the other (columns 0-63, 64-127, ...), the 16-byte unit u of row r at unit u ^ (r & 7) of
+// its 128-byte row. A pointer to row r0 of a tile (r0 a multiple of 8) is a tile of the same kind.
+template <int ROWS>
+struct Swizzled128Tile {
+  static __device__ __forceinline__ int at(int row, int col) {
+    return (col >> 6) * (ROWS * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+  }
+};
 
 template <int A, int B>
 __device__ __forceinline__ void fill(float (&c)[A][B][4], float value) {
@@ -35,21 +52,28 @@ __device__ __forceinline__ void load_a_frags(unsigned (&a)[MT][KSTEPS][4], const
                                        a_frag_col(lane)));
 }
 
-// One k16 step of C += A B^T against NT n8 tiles of B (stored [n][k], pitch PB).
-template <typename Elem, int MT, int NT, int PB>
-__device__ __forceinline__ void gemm_abt_step(float (&c)[MT][NT][4], const unsigned (&a)[MT][4],
-                                              const unsigned short* sB, int kk, int lane) {
+// One k16 step of C += A B^T against NT n8 tiles of B (stored [n][k], layout TileB).
+template <typename Elem, int MT, int NT, typename TileB>
+__device__ __forceinline__ void gemm_abt_step_in(float (&c)[MT][NT][4], const unsigned (&a)[MT][4],
+                                                 const unsigned short* sB, int kk, int lane) {
   static_assert(NT % 2 == 0, "B tiles are loaded in pairs");
 #pragma unroll
   for (int nn = 0; nn < NT / 2; ++nn) {
     unsigned b[4];
-    ldmatrix_x4(b, smem_addr(sB + (nn * 16 + bt_frag_row(lane)) * PB + kk * 16 + bt_frag_col(lane)));
+    ldmatrix_x4(b, smem_addr(sB + TileB::at(nn * 16 + bt_frag_row(lane), kk * 16 + bt_frag_col(lane))));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       mma_16816<Elem>(c[mt][2 * nn], a[mt], b[0], b[1]);
       mma_16816<Elem>(c[mt][2 * nn + 1], a[mt], b[2], b[3]);
     }
   }
+}
+
+// The same with B of pitch PB.
+template <typename Elem, int MT, int NT, int PB>
+__device__ __forceinline__ void gemm_abt_step(float (&c)[MT][NT][4], const unsigned (&a)[MT][4],
+                                              const unsigned short* sB, int kk, int lane) {
+  gemm_abt_step_in<Elem, MT, NT, PitchedTile<PB>>(c, a, sB, kk, lane);
 }
 
 // C += A B^T with A read from shared memory (row pitch PA) one k step at a time.
@@ -67,10 +91,11 @@ __device__ __forceinline__ void gemm_abt(float (&c)[MT][NT][4], const unsigned s
   }
 }
 
-// C += A B^T with A already held in registers.
-template <typename Elem, int MT, int NT, int KSTEPS, int PB>
-__device__ __forceinline__ void gemm_abt(float (&c)[MT][NT][4], const unsigned (&a_frags)[MT][KSTEPS][4],
-                                         const unsigned short* sB, int lane) {
+// C += A B^T with A already held in registers (B in layout TileB) ...
+template <typename Elem, int MT, int NT, int KSTEPS, typename TileB>
+__device__ __forceinline__ void gemm_abt_in(float (&c)[MT][NT][4],
+                                            const unsigned (&a_frags)[MT][KSTEPS][4],
+                                            const unsigned short* sB, int lane) {
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
     unsigned a[MT][4];
@@ -78,15 +103,22 @@ __device__ __forceinline__ void gemm_abt(float (&c)[MT][NT][4], const unsigned (
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[mt][e] = a_frags[mt][kk][e];
-    gemm_abt_step<Elem, MT, NT, PB>(c, a, sB, kk, lane);
+    gemm_abt_step_in<Elem, MT, NT, TileB>(c, a, sB, kk, lane);
   }
 }
 
-// C += P B: P is a (MT*16) x (KSTEPS*16) fp32 accumulator tile, rounded to Elem one k step at a
-// time; B is KSTEPS*16 rows x NT*8 columns of a shared tile stored [k][n] (pitch PB).
+// ... or of pitch PB.
 template <typename Elem, int MT, int NT, int KSTEPS, int PB>
-__device__ __forceinline__ void gemm_pb(float (&c)[MT][NT][4], const float (&p)[MT][2 * KSTEPS][4],
-                                        const unsigned short* sB, int lane) {
+__device__ __forceinline__ void gemm_abt(float (&c)[MT][NT][4], const unsigned (&a_frags)[MT][KSTEPS][4],
+                                         const unsigned short* sB, int lane) {
+  gemm_abt_in<Elem, MT, NT, KSTEPS, PitchedTile<PB>>(c, a_frags, sB, lane);
+}
+
+// C += P B: P is a (MT*16) x (KSTEPS*16) fp32 accumulator tile, rounded to Elem one k step at a
+// time; B is KSTEPS*16 rows x NT*8 columns of a shared tile stored [k][n] (layout TileB) ...
+template <typename Elem, int MT, int NT, int KSTEPS, typename TileB>
+__device__ __forceinline__ void gemm_pb_in(float (&c)[MT][NT][4], const float (&p)[MT][2 * KSTEPS][4],
+                                           const unsigned short* sB, int lane) {
   static_assert(NT % 2 == 0, "B tiles are loaded in pairs");
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -96,8 +128,7 @@ __device__ __forceinline__ void gemm_pb(float (&c)[MT][NT][4], const float (&p)[
 #pragma unroll
     for (int nn = 0; nn < NT / 2; ++nn) {
       unsigned b[4];
-      ldmatrix_x4_trans(b, smem_addr(sB + (kk * 16 + b_frag_row(lane)) * PB + nn * 16 +
-                                     b_frag_col(lane)));
+      ldmatrix_x4_trans(b, smem_addr(sB + TileB::at(kk * 16 + b_frag_row(lane), nn * 16 + b_frag_col(lane))));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma_16816<Elem>(c[mt][2 * nn], a[mt], b[0], b[1]);
@@ -105,6 +136,13 @@ __device__ __forceinline__ void gemm_pb(float (&c)[MT][NT][4], const float (&p)[
       }
     }
   }
+}
+
+// ... or of pitch PB.
+template <typename Elem, int MT, int NT, int KSTEPS, int PB>
+__device__ __forceinline__ void gemm_pb(float (&c)[MT][NT][4], const float (&p)[MT][2 * KSTEPS][4],
+                                        const unsigned short* sB, int lane) {
+  gemm_pb_in<Elem, MT, NT, KSTEPS, PitchedTile<PB>>(c, p, sB, lane);
 }
 
 // Writes an fp32 accumulator tile (MT 16-row tiles x NT n8 tiles, times `factor`) as Elem into a

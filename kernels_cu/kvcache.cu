@@ -203,7 +203,7 @@ __device__ __forceinline__ void bulk_row(unsigned short* dst, const unsigned sho
 // Inf or NaN in V never reaches a row (the tensor cores compute 0 x NaN = NaN). P is rounded to
 // Elem as the tensor-core path rounds it. Lane 4 g + t holds P[g][j], P[g + 8][j] for its keys
 // j = 8 nt + 2 t + (e & 1) (mma.cuh's layout) and O[g][c], O[g + 8][c] for c = 8 n + 2 t, + 1.
-template <typename Elem, int NT_O, int PITCH>
+template <typename Elem, int NT_O, typename TileV>
 __device__ __forceinline__ void pv_skipping_zeros(float (&acc)[1][NT_O][4], const float (&s)[1][2][4],
                                                   const unsigned short* sV, int lane) {
   const int t = lane & 3;
@@ -214,11 +214,11 @@ __device__ __forceinline__ void pv_skipping_zeros(float (&acc)[1][NT_O][4], cons
     float p_hi = __shfl_sync(0xffffffffu, s[0][nt][2 + e], owner);
     p_lo = ElemTraits<Elem>::to_acc(ElemTraits<Elem>::from_acc(p_lo));
     p_hi = ElemTraits<Elem>::to_acc(ElemTraits<Elem>::from_acc(p_hi));
-    const unsigned short* v_row = sV + key * PITCH + 2 * t;
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
-      const float v0 = ElemTraits<Elem>::to_acc(v_row[8 * n]);
-      const float v1 = ElemTraits<Elem>::to_acc(v_row[8 * n + 1]);
+      const unsigned short* v = sV + TileV::at(key, 8 * n + 2 * t);  // two elements of one unit
+      const float v0 = ElemTraits<Elem>::to_acc(v[0]);
+      const float v1 = ElemTraits<Elem>::to_acc(v[1]);
       if (p_lo != 0.f) {
         acc[0][n][0] = fmaf(p_lo, v0, acc[0][n][0]);
         acc[0][n][1] = fmaf(p_lo, v1, acc[0][n][1]);
@@ -231,7 +231,18 @@ __device__ __forceinline__ void pv_skipping_zeros(float (&acc)[1][NT_O][4], cons
   }
 }
 
-template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES>
+template <bool C, typename A, typename B>
+struct Pick {
+  typedef A type;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+  typedef B type;
+};
+
+// BOXES: the key and value tiles are boxes of the caches' tensor maps (DecodeMaps), in the layout
+// the TMA unit writes them (Swizzled128Tile); otherwise rows of PITCH elements.
+template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES, bool BOXES = false>
 struct DecodeTraits {
   static constexpr int PITCH = HD + 8;  // +16 bytes a row: conflict-free ldmatrix
   static constexpr int NT_O = HD / 8;
@@ -239,30 +250,46 @@ struct DecodeTraits {
   static constexpr int THREADS = DECODE_WARPS * 32;
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
-  // shared memory: Q, then STAGES stages of K and V tiles (the merge reuses the stages), then the
-  // K and V row offsets of two key tiles, then (BULK) a barrier per stage
-  static constexpr int SMEM = (DECODE_ROWS + 2 * STAGES * DECODE_BN) * PITCH * 2 +
+  static_assert(!BOXES || (BULK && HD % 64 == 0 && HD <= 128), "boxes: sm_90, d = 64 or 128");
+  typedef typename Pick<BOXES, Swizzled128Tile<DECODE_BN>, PitchedTile<PITCH>>::type KVTile;
+  static constexpr int TILE = DECODE_BN * (BOXES ? HD : PITCH);  // elements of a K or V tile
+  static constexpr int ALIGN = BOXES ? 1024 : 0;  // the swizzle's alignment of the tiles
+  // shared memory: (BOXES) up to 1 KB to align the tiles, STAGES stages of K tiles and of V tiles
+  // (the merge reuses them), Q, the K and V row offsets of two key tiles, then (BULK) a barrier
+  // per stage
+  static constexpr int SMEM = ALIGN + 2 * STAGES * TILE * 2 + DECODE_ROWS * PITCH * 2 +
                               2 * 2 * DECODE_BN * 8 + (BULK ? STAGES * 8 : 0);
-  static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * DECODE_BN * PITCH * 2,
+  static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * TILE * 2,
                 "the warps' partial outputs fit where the key and value tiles were");
+};
+
+// The caches as tensor maps (d, rows, Hkv, sequences or pages), read in boxes of DECODE_BN rows of
+// 64 columns under the 128-byte swizzle (cuflash/_kvcache_cuda.py, decode_box_maps).
+struct DecodeMaps {
+  TensorMap k, v;
 };
 
 // BULK (sm_90): each thread has one row of every key/value tile copied by the TMA unit
 // (bulk_row), completing on the stage's barrier, where cp.async copies take 16 instructions a
 // thread and occupy the multiprocessor's load tracking (docs/perf/NOTES.md, v15).
-template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES>
-__global__ void __launch_bounds__(DECODE_WARPS * 32)
-    attention_decode(const __grid_constant__ Params p) {
-  typedef DecodeTraits<Elem, HD, STAGES, BULK, FEATURES> Tr;
-  constexpr int PITCH = Tr::PITCH, NT_O = Tr::NT_O, BN = DECODE_BN;
+// BOXES (sm_90, d = 64 or 128, `maps`): thread 0 has each tile copied as boxes of the tensor maps,
+// HD / 64 of K and as many of V. A bulk copy's addresses are per thread, so a warp issues its 32
+// row copies one lane at a time: ~9 instructions a copy and most of a tile's time at d = 128,
+// where the boxes take 4 copies a tile (docs/perf/NOTES.md, v24).
+template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES, bool BOXES>
+__device__ __forceinline__ void decode_block(const Params& p, const DecodeMaps* maps) {
+  typedef DecodeTraits<Elem, HD, STAGES, BULK, FEATURES, BOXES> Tr;
+  typedef typename Tr::KVTile KVTile;
+  constexpr int PITCH = Tr::PITCH, NT_O = Tr::NT_O, BN = DECODE_BN, TILE = Tr::TILE;
   // The combine (launched programmatically after this kernel on sm_90) may place its blocks
   // beside this kernel's last ones; they wait there for its results.
   if constexpr (BULK) launch_dependents();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
-  unsigned short* sK = sQ + DECODE_ROWS * PITCH;      // STAGES tiles of BN rows
-  unsigned short* sV = sK + STAGES * BN * PITCH;
-  i64* s_offsets = reinterpret_cast<i64*>(sV + STAGES * BN * PITCH);  // [buffer][K, V][BN]
+  unsigned short* sK = reinterpret_cast<unsigned short*>(  // STAGES tiles of BN rows
+      smem_raw + (Tr::ALIGN ? (Tr::ALIGN - (smem_addr(smem_raw) & (Tr::ALIGN - 1))) & (Tr::ALIGN - 1) : 0));
+  unsigned short* sV = sK + STAGES * TILE;
+  unsigned short* sQ = sV + STAGES * TILE;
+  i64* s_offsets = reinterpret_cast<i64*>(sQ + DECODE_ROWS * PITCH);  // [buffer][K, V][BN]
   unsigned long long* s_full = reinterpret_cast<unsigned long long*>(s_offsets + 2 * 2 * BN);
 
   // block -> (KV head, split, row tile, sequence), KV heads adjacent: the blocks that run
@@ -295,8 +322,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   const unsigned short* k_base = static_cast<const unsigned short*>(p.k.ptr);
   const unsigned short* v_base = static_cast<const unsigned short*>(p.v.ptr);
   // K and V of key tile t into stage `stage`: half the threads copy K, half V. The prologue's
-  // tiles look their rows up as they copy; later tiles read offsets looked up one iteration ahead
-  // (`lookup`), so that no copy waits on a block table read.
+  // tiles look their rows up as they copy; later tiles read offsets looked up before the
+  // iteration's products (`lookup`), so that no copy waits on a block table read.
   constexpr int HALF = Tr::THREADS / 2;
   static_assert(!BULK || HALF == BN, "BULK: a thread per key row and per value row");
   // BULK: thread r < BN has key row r copied, thread BN + r value row r.
@@ -305,23 +332,51 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   // One tile's K rows from `ks` and V rows from `vs` (row sources: CacheSource, OffsetSource).
   auto load_tile = [&](const auto& ks, const auto& vs, int stage) {
     if constexpr (BULK) {
-      unsigned short* tile = (loads_k ? sK : sV) + stage * BN * PITCH;
+      unsigned short* tile = (loads_k ? sK : sV) + stage * TILE;
       bulk_row<HD>(tile + bulk_r * PITCH, loads_k ? ks(bulk_r) : vs(bulk_r), d, vec, &s_full[stage]);
     } else {
-      load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * BN * PITCH, ks, d, vec);
-      load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * BN * PITCH, vs, d, vec);
+      load_rows<BN, HD, PITCH, 0, HALF>(sK + stage * TILE, ks, d, vec);
+      load_rows<BN, HD, PITCH, HALF, HALF>(sV + stage * TILE, vs, d, vec);
+    }
+  };
+  // BOXES: tile t is the boxes at row `slot` of sequence or page `page`; a tile in no page (a row
+  // past the capacity, a page index out of range) is read at a row past every map's rows, which
+  // the TMA unit fills with zeros. The boxes also hold the cache's rows outside [key_begin,
+  // key_end): the tile's warps clear those of V before their products (below).
+  auto load_boxes = [&](int t, int stage) {
+    if constexpr (BOXES) {
+      if (threadIdx.x != 0) return;
+      i64 page = 0, slot = 0;
+      if (!cache.locate(b, static_cast<i64>(t) * BN, page, slot)) page = 0, slot = i64(1) << 30;
+      unsigned long long* bar = &s_full[stage];
+      mbar_arrive_expect_tx(bar, 2u * TILE * 2);
+#pragma unroll
+      for (int c = 0; c < HD / 64; ++c) {
+        tma_load_4d(sK + stage * TILE + c * BN * 64, &maps->k, bar, c * 64, static_cast<int>(slot),
+                    kv_head, static_cast<int>(page));
+        tma_load_4d(sV + stage * TILE + c * BN * 64, &maps->v, bar, c * 64, static_cast<int>(slot),
+                    kv_head, static_cast<int>(page));
+      }
     }
   };
   auto load_kv_direct = [&](int t, int stage) {
+    if constexpr (BOXES) {
+      load_boxes(t, stage);
+      return;
+    }
     load_tile(CacheSource{k_base, &p.k, cache, b, kv_head, t * BN, key_begin, key_end},
               CacheSource{v_base, &p.v, cache, b, kv_head, t * BN, key_begin, key_end}, stage);
   };
   auto load_kv = [&](int t, int stage) {
+    if constexpr (BOXES) {
+      load_boxes(t, stage);
+      return;
+    }
     const i64* offsets = s_offsets + (t & 1) * 2 * BN;
     load_tile(OffsetSource{k_base, offsets}, OffsetSource{v_base, offsets + BN}, stage);
   };
   auto lookup = [&](int t) {
-    if (threadIdx.x < BN) {
+    if (!BOXES && threadIdx.x < BN) {
       const int n = t * BN + threadIdx.x;
       i64 page = 0, slot = 0;
       const bool in_cache = n >= key_begin && n < key_end && cache.locate(b, n, page, slot);
@@ -336,22 +391,24 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     cp_async_commit();
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (int s = 0; s < STAGES; ++s) mbar_init(&s_full[s], Tr::THREADS);
+      for (int s = 0; s < STAGES; ++s) mbar_init(&s_full[s], BOXES ? 1 : Tr::THREADS);
       fence_barrier_init();
     }
-    if (d < HD) {
+    if (!BOXES && d < HD) {  // (the boxes' columns past d are out of the maps: zeros)
       for (int idx = threadIdx.x; idx < 2 * STAGES * BN * HD; idx += Tr::THREADS)
         sK[(idx / HD) * PITCH + idx % HD] = 0;  // sV follows sK: rows 2 STAGES BN in all
       fence_proxy_async_shared();
     }
     __syncthreads();
   }
+  // Every stage is filled before the loop, and a stage is filled again as soon as the block is
+  // done with it (at the end of an iteration), so that STAGES tiles are in flight while the block
+  // waits: the loop is bound by the cache's stream (docs/perf/NOTES.md, v24).
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < STAGES; ++s) {
     if (s < tiles) load_kv_direct(tile0 + s, s);
     if constexpr (!BULK) cp_async_commit();
   }
-  if (STAGES - 1 < tiles) lookup(tile0 + STAGES - 1);
 
   // This lane's accumulator rows g and g + 8: their query positions and score modifiers.
   const int g = lane >> 2, t4 = lane & 3;
@@ -392,22 +449,42 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   OnlineSoftmax<1> softmax;
   softmax.init(p.p_shift);
 
-  if constexpr (BULK) cp_async_wait<0>();  // Q
+  if constexpr (BULK && !Q_IN_REGISTERS) {
+    cp_async_wait<0>();  // Q, whose rows every thread copied
+    __syncthreads();
+  }
   for (int it = 0; it < tiles; ++it) {
-    if constexpr (BULK) mbar_wait(&s_full[it % STAGES], (it / STAGES) & 1);
-    else cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile it has landed; every warp is done with the stage loaded next
-    if (it + STAGES - 1 < tiles) load_kv(tile0 + it + STAGES - 1, (it + STAGES - 1) % STAGES);
-    if constexpr (!BULK) cp_async_commit();
-    if (it + STAGES < tiles) lookup(tile0 + it + STAGES);  // read after the next iteration's sync
     const int stage = it % STAGES;
-    const unsigned short* sKw = sK + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
-    const unsigned short* sVw = sV + (stage * BN + warp * DECODE_WARP_KEYS) * PITCH;
+    if constexpr (BULK) {
+      mbar_wait(&s_full[stage], (it / STAGES) & 1);
+    } else {
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();  // every thread's copies of tile it have landed
+    }
+    // The rows of the tile this stage takes next, read after this iteration's closing sync (the
+    // offsets' buffer was last read by the copies of tile it + STAGES - 2, before the last sync).
+    if (it + STAGES < tiles) lookup(tile0 + it + STAGES);
+    // this warp's 16 rows of the stage's tiles (a multiple of 8 rows: the swizzle's period)
+    const unsigned short* sKw = sK + stage * TILE + KVTile::at(warp * DECODE_WARP_KEYS, 0);
+    unsigned short* sVw = sV + stage * TILE + KVTile::at(warp * DECODE_WARP_KEYS, 0);
     const int n0 = (tile0 + it) * BN + warp * DECODE_WARP_KEYS;
+    if constexpr (BOXES) {
+      // Rows of V outside [key_begin, key_end) hold the cache's data (stale rows past the keys in
+      // use may be NaN): zeros, as the row copies leave them, before P V reads them.
+      if (n0 < key_begin || n0 + DECODE_WARP_KEYS > key_end) {
+        for (int idx = lane; idx < DECODE_WARP_KEYS * HD / 8; idx += 32) {
+          const int r = idx / (HD / 8), unit = idx % (HD / 8);
+          if (n0 + r < key_begin || n0 + r >= key_end)
+            *reinterpret_cast<uint4*>(sVw + KVTile::at(r, unit * 8)) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_shared();  // before the boxes of a later tile land here
+        __syncwarp();
+      }
+    }
 
     float s[1][2][4];
     fill(s, 0.f);
-    if constexpr (Q_IN_REGISTERS) gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH>(s, q_frags, sKw, lane);
+    if constexpr (Q_IN_REGISTERS) gemm_abt_in<Elem, 1, 2, Tr::K_QK, KVTile>(s, q_frags, sKw, lane);
     else gemm_abt<Elem, 1, 2, Tr::K_QK, PITCH, PITCH>(s, sQ, sKw, lane);
     bool hides_data = false;  // a real row does not see a key whose row of V was loaded
     // The band of mask.cuh; keys outside the split or past the keys in use are hidden too (their
@@ -443,9 +520,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     // Inf or NaN of V would reach the row, so those tiles take exact products that skip P = 0
     // (rare: the last keys under a causal mask with Nq > 1, a window's edges)
     if (__any_sync(0xffffffffu, hides_data))
-      pv_skipping_zeros<Elem, NT_O, PITCH>(acc_o, s, sVw, lane);
+      pv_skipping_zeros<Elem, NT_O, KVTile>(acc_o, s, sVw, lane);
     else
-      gemm_pb<Elem, 1, NT_O, 1, PITCH>(acc_o, s, sVw, lane);
+      gemm_pb_in<Elem, 1, NT_O, 1, KVTile>(acc_o, s, sVw, lane);
+    __syncthreads();  // every warp is done with the stage: it takes tile it + STAGES
+    if (it + STAGES < tiles) load_kv(tile0 + it + STAGES, stage);
+    if constexpr (!BULK) cp_async_commit();
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the tiles: the stages hold the merge from here
@@ -513,6 +593,20 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       else head_ptr<float>(p.lse, b, rows.head(r))[row * p.lse.seq] = lse[h];
     }
   }
+}
+
+template <typename Elem, int HD, int STAGES, bool BULK, int FEATURES>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    attention_decode(const __grid_constant__ Params p) {
+  decode_block<Elem, HD, STAGES, BULK, FEATURES, false>(p, nullptr);
+}
+
+// The key and value tiles as boxes of `maps` (sm_90, d = 64 and 128; cuflash/_kvcache_cuda.py
+// takes it where the caches have maps and the call's pointers are 16-byte aligned).
+template <typename Elem, int HD, int STAGES, int FEATURES>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    attention_decode_boxes(const __grid_constant__ DecodeMaps maps, const __grid_constant__ Params p) {
+  decode_block<Elem, HD, STAGES, true, FEATURES, true>(p, &maps);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def run_varlen(
             raise SystemExit(f"non-finite {name} for packed {dtype} d={d} causal={causal}")
 
 
-# KV cache: 3 sequences with these rows in use, 2 appended, capacity 96 (pages of 16 or 7 rows).
+# KV cache: 3 sequences with these rows in use, 2 appended, capacity 96 (pages of 16, 7 or 64 rows).
 KV_LENGTHS = (0, 41, 94)
 KV_MALFORMED = ("lengths", "pages")
 
@@ -261,7 +261,7 @@ def main() -> int:
             count += 7 + len(VARLEN_MALFORMED)
     for dtype in DTYPES if args.cases in ("kvcache", "all") else ():
         for d in head_dims:
-            for page in (None, 16, 7):
+            for page in (None, 16, 7, 64):  # contiguous and 64: boxes at d = 40 and 128 (sm_90)
                 for splits in (None, 1, 5):
                     run_kvcache(dtype, d, page, splits=splits)
                 run_kvcache(dtype, d, page, nq=3, mods="all")

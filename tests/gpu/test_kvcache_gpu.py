@@ -582,6 +582,63 @@ def test_two_identical_calls_give_the_same_bits(dtype, num_splits):
         assert bitwise_equal(x.k_cache, caches[0]) and bitwise_equal(x.v_cache, caches[1])
 
 
+@pytest.mark.parametrize("page_size", [None, 64, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 120, 128])
+def test_tiles_as_boxes_and_as_rows_give_the_same_bits(head_dim, page_size, monkeypatch):
+    # On sm_90 at d = 33-64 and 97-128 the decoding kernel copies whole key/value tiles as
+    # tensor-map boxes (kernels_cu/kvcache.cu, BOXES) where the TMA unit can address the caches
+    # (strides of whole 16-byte units: not d = 100 with two KV heads); a box also holds the
+    # cache rows past each sequence's keys in use (here NaN), which the kernel clears before P V.
+    # With the maps taken away the plan copies rows: the same products in the same order, so the
+    # same bits.
+    from cuflash import _kernels, _kvcache_cuda, _plans
+
+    if not _kernels.decode_boxes(_compile_arch(), head_dim):
+        pytest.skip("no decoding kernel with boxes on this device")
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    batch, hkv, group, rows = 3, 2, 4, 512
+    pages = batch * rows // (page_size or rows)
+    shape = (pages, page_size, hkv, head_dim) if page_size else (batch, rows, hkv, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    table = None
+    if page_size:
+        table = torch.randperm(pages, device=DEVICE, generator=gen).to(torch.int32).view(batch, -1)
+    lens = torch.tensor([100, 1, 450], device=DEVICE, dtype=torch.int32)
+    for b, n in enumerate(lens.tolist()):  # every row past the keys in use: NaN
+        for r in range(n, rows):
+            page, slot = (table[b, r // page_size].item(), r % page_size) if page_size else (b, r)
+            k_cache[page, slot] = float("nan")
+            v_cache[page, slot] = float("nan")
+    q = torch.randn(
+        batch, 1, hkv * group, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen
+    )
+
+    def run():
+        _plans.clear()
+        out = cuflash.attention_with_kvcache(
+            q, k_cache, v_cache, lens, block_table=table, num_splits=3
+        )
+        plans = [v for v in _plans._plans.values() if isinstance(v, _kvcache_cuda.KVCachePlan)]
+        assert len(plans) == 1
+        return out, plans[0]
+
+    (o_box, lse_box), plan = run()
+    assert plan.decode_boxes is not None and plan.decode_rows is None
+    monkeypatch.setattr(_kvcache_cuda, "decode_box_maps", lambda call: None)
+    (o_rows, lse_rows), plan = run()
+    assert plan.decode_boxes is None and plan.decode_rows is not None
+    sync()
+    assert torch.isfinite(o_box).all() and torch.isfinite(lse_box).all()
+    assert bitwise_equal(o_box, o_rows) and bitwise_equal(lse_box, lse_rows)
+
+
+def _compile_arch() -> str:
+    from cuflash import _compile
+
+    return _compile.device_arch(torch.cuda.current_device())
+
+
 @pytest.mark.parametrize("route", ["decode", "packed", "dense"])
 def test_the_cached_plan_keeps_no_array_alive(route):
     # Plans are cached per call signature (cuflash/_plans.py); one that held the caller's arrays
