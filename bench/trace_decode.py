@@ -132,7 +132,9 @@ def trace_point(batch: int, keys: int, splits: int | None) -> None:
     for _ in range(3):  # compiles, warms up
         cuflash.attention_with_kvcache(q, k, v, lens, num_splits=splits)
     torch.cuda.synchronize()
-    decode = trace_array("attention_decode<", "decode_trace", 7 * MAX_BLOCKS)
+    decode = trace_array("attention_decode_boxes<", "decode_trace", 7 * MAX_BLOCKS)
+    if decode is None:  # the caches have no tensor maps: row copies
+        decode = trace_array("attention_decode<", "decode_trace", 7 * MAX_BLOCKS)
     combine = trace_array("attention_decode_combine<", "combine_trace", 2 * MAX_BLOCKS)
     if decode is None:
         print("  no decoding module found")

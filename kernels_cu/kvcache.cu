@@ -259,7 +259,11 @@ struct DecodeTraits {
   // per stage
   static constexpr int SMEM = ALIGN + 2 * STAGES * TILE * 2 + DECODE_ROWS * PITCH * 2 +
                               2 * 2 * DECODE_BN * 8 + (BULK ? STAGES * 8 : 0);
-  static_assert(DECODE_WARPS * DECODE_ROWS * HD * 4 <= 2 * STAGES * TILE * 2,
+  // The merge's rows of the warps' outputs, in floats: a warp's float2 stores of its 8 rows x 8
+  // columns then take the two passes 256 bytes need (with a pitch of HD: one per row, 8).
+  static constexpr int OUT_PITCH = HD + 8;
+  static_assert(DECODE_WARPS * DECODE_ROWS * OUT_PITCH * 4 + 2 * DECODE_WARPS * DECODE_ROWS * 4 <=
+                    2 * STAGES * TILE * 2,
                 "the warps' partial outputs fit where the key and value tiles were");
 };
 
@@ -534,7 +538,8 @@ __device__ __forceinline__ void decode_block(const Params& p, const DecodeMaps* 
   // rescaled to the common max and divided by the common sum; the block adds them in warp order.
   float* s_max = reinterpret_cast<float*>(sK);          // [warp][row]
   float* s_sum = s_max + DECODE_WARPS * DECODE_ROWS;    // [warp][row]
-  float* s_out = s_sum + DECODE_WARPS * DECODE_ROWS;    // [warp][row][HD]
+  float* s_out = s_sum + DECODE_WARPS * DECODE_ROWS;    // [warp][row][OUT_PITCH]
+  constexpr int OUT_PITCH = Tr::OUT_PITCH;
   float row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) row_sum[h] = quad_sum(softmax.row_sum[0][h]);
@@ -559,11 +564,11 @@ __device__ __forceinline__ void decode_block(const Params& p, const DecodeMaps* 
     const float mine = fast_exp2(softmax.row_max[0][h] * scale_log2 - m_scaled);
     const float factor = total > 0.f ? mine / total : 0.f;
     lse[h] = total > 0.f ? (m_scaled + log2f(total) + softmax.shift) * 0.6931471805599453f : -inf_f32();
+    if (!rows.real(r)) continue;  // (a group of fewer than 16 rows: never stored)
 #pragma unroll
     for (int nt = 0; nt < NT_O; ++nt) {
-      float* out = s_out + (warp * DECODE_ROWS + r) * HD + nt * 8 + 2 * t4;
-      out[0] = acc_o[0][nt][2 * h] * factor;
-      out[1] = acc_o[0][nt][2 * h + 1] * factor;
+      float* out = s_out + (warp * DECODE_ROWS + r) * OUT_PITCH + nt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(out) = make_float2(acc_o[0][nt][2 * h] * factor, acc_o[0][nt][2 * h + 1] * factor);
     }
   }
   __syncthreads();
@@ -575,7 +580,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const DecodeMaps* 
     if (!rows.real(r) || c >= d) continue;
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < DECODE_WARPS; ++w) o += s_out[(w * DECODE_ROWS + r) * HD + c];
+    for (int w = 0; w < DECODE_WARPS; ++w) o += s_out[(w * DECODE_ROWS + r) * OUT_PITCH + c];
     const i64 row = rows.position(r);
     if (partial) {
       head_ptr<float>(p.o_accum, split * p.batch + b, rows.head(r))[row * p.o_accum.seq + c] = o;
