@@ -37,7 +37,6 @@ import cupy
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SOURCE = r"""
-extern "C" {
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -63,6 +62,53 @@ __device__ __forceinline__ void bulk(void* dst, const void* src, unsigned bytes,
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
+// This block's KV head `h` and `split` (KV heads adjacent in the grid, or splits); returns its
+// sequence.
+__device__ __forceinline__ long long place(int heads, int splits, int heads_first, int& h,
+                                           int& split) {
+  long long bid = blockIdx.x;
+  if (heads_first) {
+    h = bid % heads; bid /= heads;
+    split = bid % splits; bid /= splits;
+  } else {
+    split = bid % splits; bid /= splits;
+    h = bid % heads; bid /= heads;
+  }
+  return bid;
+}
+
+// Waits for a stage, touches a word of it, then stands for a decoding block's work on the tile
+// (`delay` clock cycles).
+__device__ __forceinline__ unsigned consume(unsigned long long* full, unsigned parity,
+                                            const unsigned char* stage, long long delay) {
+  bar_wait(full, parity);
+  const unsigned word = reinterpret_cast<const unsigned*>(stage)[threadIdx.x % 32];
+  if (delay > 0) {
+    const long long until = clock64() + delay;
+    while (clock64() < until) {
+    }
+  }
+  return word;
+}
+
+// The stream of a block: `stages` tiles in flight, each stage refilled (`issue(t, stage)`) once
+// every thread is done with its tile.
+template <typename Issue>
+__device__ __forceinline__ void stream(const Issue& issue, unsigned long long* full,
+                                       const unsigned char* buf, int stage_bytes, int stages,
+                                       int tiles, long long delay, unsigned* sink) {
+  for (int t = 0; t < stages && t < tiles; ++t) issue(t, t);
+  unsigned acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % stages;
+    acc += consume(&full[s], (t / stages) & 1, buf + s * stage_bytes, delay);
+    __syncthreads();
+    if (t + stages < tiles) issue(t + stages, s);
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+
+extern "C" {
 // Block (b, h, split): rows r of tile t of K at k + b*b_stride + h*h_stride + split*split_stride
 // + (t*rows + r)*row_stride, copy_bytes each; V the same at + v_offset.
 __global__ void stream_copies(const char* k, long long v_offset, int heads, int splits,
@@ -73,16 +119,9 @@ __global__ void stream_copies(const char* k, long long v_offset, int heads, int 
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);
   unsigned char* buf = smem + 128;
   const int stage_bytes = 2 * rows * copy_bytes;
-  long long bid = blockIdx.x;
   int split, h;
-  if (heads_first) {
-    h = bid % heads; bid /= heads;
-    split = bid % splits; bid /= splits;
-  } else {
-    split = bid % splits; bid /= splits;
-    h = bid % heads; bid /= heads;
-  }
-  const long long b = bid;
+  const long long bid = place(heads, splits, heads_first, h, split);
+  const long long b = bid;  // the sequence
   const char* base = k + b * b_stride + h * h_stride + split * split_stride;
   const int tid = threadIdx.x;
   const bool issues = tid < 2 * rows;
@@ -100,21 +139,7 @@ __global__ void stream_copies(const char* k, long long v_offset, int heads, int 
     const long long row = static_cast<long long>(t) * rows + r;
     bulk(buf + s * stage_bytes + tid * copy_bytes, base + off + row * row_stride, copy_bytes, bar);
   };
-  for (int t = 0; t < stages && t < tiles; ++t) issue(t, t);
-  unsigned acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int s = t % stages;
-    bar_wait(&full[s], (t / stages) & 1);
-    acc += reinterpret_cast<const unsigned*>(buf + s * stage_bytes)[tid % 32];
-    if (delay > 0) {  // the work a decoding block does on a tile, as clock cycles
-      const long long until = clock64() + delay;
-      while (clock64() < until) {
-      }
-    }
-    __syncthreads();
-    if (t + stages < tiles) issue(t + stages, s);
-  }
-  if (acc == 0x12345678u) sink[0] = acc;
+  stream(issue, full, buf, stage_bytes, stages, tiles, delay, sink);
 }
 
 // The same blocks and tiles (64 key rows of one head) as boxes of tensor maps (d, N, Hkv, B) that
@@ -128,16 +153,9 @@ __global__ void stream_boxes(const void* kmap, const void* vmap, int heads, int 
   // the boxes' destinations 1024-byte aligned (the 128-byte swizzle)
   unsigned char* buf = smem + 1024 + ((1024 - (smem_u32(smem) & 1023)) & 1023);
   const int stage_bytes = 2 * boxes * box_bytes;
-  long long bid = blockIdx.x;
   int split, h;
-  if (heads_first) {
-    h = bid % heads; bid /= heads;
-    split = bid % splits; bid /= splits;
-  } else {
-    split = bid % splits; bid /= splits;
-    h = bid % heads; bid /= heads;
-  }
-  const int b = static_cast<int>(bid);
+  const long long bid = place(heads, splits, heads_first, h, split);
+  const int b = static_cast<int>(bid);  // the sequence
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) bar_init(&full[s], 1);
@@ -159,21 +177,7 @@ __global__ void stream_boxes(const void* kmap, const void* vmap, int heads, int 
           "l"(map), "r"(c), "r"(row), "r"(h), "r"(b), "r"(smem_u32(bar)) : "memory");
     }
   };
-  for (int t = 0; t < stages && t < tiles; ++t) issue(t, t);
-  unsigned acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int s = t % stages;
-    bar_wait(&full[s], (t / stages) & 1);
-    acc += reinterpret_cast<const unsigned*>(buf + s * stage_bytes)[tid % 32];
-    if (delay > 0) {
-      const long long until = clock64() + delay;
-      while (clock64() < until) {
-      }
-    }
-    __syncthreads();
-    if (t + stages < tiles) issue(t + stages, s);
-  }
-  if (acc == 0x12345678u) sink[0] = acc;
+  stream(issue, full, buf, stage_bytes, stages, tiles, delay, sink);
 }
 
 __global__ void stream_loads(const uint4* src, long long n, unsigned* sink) {
