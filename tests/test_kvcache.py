@@ -810,3 +810,28 @@ def test_torch_operator_mutates_the_caches_and_compiles():
     assert torch.equal(k_got[:, 7], k_new[:, 0]) and torch.equal(v_got[:, 7], v_new[:, 0])
     want, _ = cuflash.attention_forward(q, k_got[:, :8], v_got[:, :8])
     torch.testing.assert_close(o, want, rtol=0, atol=1e-12)
+
+
+def test_decoding_copies_whole_tiles_as_boxes_on_sm90_at_head_dims_64_and_128():
+    # kernels_cu/kvcache.cu, attention_decode_boxes: on sm_90 the buckets 64 and 128 (rows of one
+    # or two 128-byte swizzle rows) also come with key tiles copied as tensor-map boxes; the
+    # other buckets and the other devices copy rows. The boxes' instance keeps two blocks a
+    # multiprocessor of an H100 (228 KB, 1 KB of it reserved per block), as the rows' does.
+    from cuflash import _kernels
+
+    specs = _kernels.kvcache_specs("sm_90a")
+    for d in range(1, 257):
+        boxes = _kernels.head_dim_bucket(d) in (64, 128)
+        assert _kernels.decode_boxes("sm_90a", d) == boxes, d
+        assert not _kernels.decode_boxes("sm_80", d)
+    for dtype in _kernels.TENSOR_CORE_DTYPES:
+        for hd in (64, 128):
+            for features in _kernels.DECODE_FEATURE_SETS:
+                boxes = _kernels.kvcache_instance("decode", dtype, hd, features, True, boxes=True)
+                rows = _kernels.kvcache_instance("decode", dtype, hd, features, True)
+                assert boxes in specs and rows in specs
+                assert "attention_decode_boxes<" in boxes.name_expression
+                assert 2 * (boxes.smem_bytes + 1024) <= 228 * 1024
+        with pytest.raises(ValueError, match="boxes"):
+            _kernels.kvcache_instance("decode", dtype, 256, 0, True, boxes=True)
+    assert not any("decode_boxes" in s.name_expression for s in _kernels.kvcache_specs("sm_80"))
