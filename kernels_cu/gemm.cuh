@@ -13,11 +13,18 @@
 
 namespace cuflash {
 
-// Where element (row, col) of a shared tile lives, in elements from the tile's start: row-major
-// with a pitch of PITCH elements ...
+// Where element (row, col0 + col1) of a shared tile lives (col0 + col1 within one 16-byte unit's
+// reach: col1 < 8 or both multiples of 8): at(row, col) elements from the tile's start, and
+// address(tile, row, col0, col1) the pointer. Row-major with a pitch of PITCH elements ...
 template <int PITCH>
 struct PitchedTile {
   static __device__ __forceinline__ int at(int row, int col) { return row * PITCH + col; }
+  // (the sums in the order the products always took: the same PTX for every existing caller,
+  // whose mma.sync kernels sit at the register limit)
+  template <typename T>
+  static __device__ __forceinline__ T* address(T* tile, int row, int col0, int col1) {
+    return tile + row * PITCH + col0 + col1;
+  }
 };
 
 // ... or as the TMA unit writes boxes of ROWS rows x 64 columns under the 128-byte swizzle: one box
@@ -27,6 +34,10 @@ template <int ROWS>
 struct Swizzled128Tile {
   static __device__ __forceinline__ int at(int row, int col) {
     return (col >> 6) * (ROWS * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+  }
+  template <typename T>
+  static __device__ __forceinline__ T* address(T* tile, int row, int col0, int col1) {
+    return tile + at(row, col0 + col1);
   }
 };
 
@@ -60,7 +71,7 @@ __device__ __forceinline__ void gemm_abt_step_in(float (&c)[MT][NT][4], const un
 #pragma unroll
   for (int nn = 0; nn < NT / 2; ++nn) {
     unsigned b[4];
-    ldmatrix_x4(b, smem_addr(sB + TileB::at(nn * 16 + bt_frag_row(lane), kk * 16 + bt_frag_col(lane))));
+    ldmatrix_x4(b, smem_addr(TileB::address(sB, nn * 16 + bt_frag_row(lane), kk * 16, bt_frag_col(lane))));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       mma_16816<Elem>(c[mt][2 * nn], a[mt], b[0], b[1]);
@@ -128,7 +139,7 @@ __device__ __forceinline__ void gemm_pb_in(float (&c)[MT][NT][4], const float (&
 #pragma unroll
     for (int nn = 0; nn < NT / 2; ++nn) {
       unsigned b[4];
-      ldmatrix_x4_trans(b, smem_addr(sB + TileB::at(kk * 16 + b_frag_row(lane), nn * 16 + b_frag_col(lane))));
+      ldmatrix_x4_trans(b, smem_addr(TileB::address(sB, kk * 16 + b_frag_row(lane), nn * 16, b_frag_col(lane))));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma_16816<Elem>(c[mt][2 * nn], a[mt], b[0], b[1]);
