@@ -13,8 +13,6 @@ TFLOP/s as bench_attention.py counts them; each entry is the median over rounds.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import load_baseline, time_ms  # noqa: E402
+from bench_attention import load_baseline  # noqa: E402
+from probe_forward import row  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import reference, testing  # noqa: E402
@@ -80,17 +79,18 @@ def tanh_profile() -> list[str]:
     return lines
 
 
-def row(label: str, methods: dict, flops: float, rounds: int) -> str:
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    names = list(methods)
-    order = random.Random(label)
-    for _ in range(rounds):
-        for name in order.sample(names, len(names)):
-            times[name].append(time_ms(methods[name], warmup=2, min_reps=5, min_time_ms=20.0))
-    result = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
-    line = f"{label:24s} " + "  ".join(f"{n} {r:6.1f}" for n, r in result.items())
-    print(line, flush=True)
-    return line
+def checkouts(roots: list[str]) -> dict:
+    """This tree's cuflash, then each checkout's under its directory's name."""
+    modules = {"cuflash": cuflash}
+    for i, root in enumerate(roots):
+        modules[Path(root).name] = load_baseline(root, f"cuflash_baseline_{i}")
+    return modules
+
+
+def write(out: str | None, name: str, lines: list[str]) -> None:
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -101,9 +101,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--errors-only", action="store_true")
     args = parser.parse_args()
-    modules = {"cuflash": cuflash}
-    for i, root in enumerate(args.baseline):
-        modules[Path(root).name] = load_baseline(root, f"cuflash_baseline_{i}")
+    modules = checkouts(args.baseline)
     lines = [f"{torch.cuda.get_device_name()}, bf16 forward TFLOP/s, N = 4096"]
     lines += tanh_profile()
     for name, module in modules.items():
@@ -133,9 +131,7 @@ def main() -> int:
             }
             label = f"d={d} {'dense' if cap is None else 'softcap 30'}"
             lines.append(row(label, methods, flops, args.rounds))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "probe_softcap.txt").write_text("\n".join(lines) + "\n")
+    write(args.out, "probe_softcap.txt", lines)
     return 0
 
 
