@@ -21,6 +21,7 @@ import cupy as cp
 OPS = {
     "fma.f32": ("fma.rn.f32 %0, %0, 0f3F7FFFFF, 0f33800000;", 1),
     "ex2.ftz.f32": ("ex2.approx.ftz.f32 %0, %0;", 1),
+    # void as written: ptxas folds rcp(rcp(x)) = x, so this row reads no MUFU time
     "rcp.ftz.f32": ("rcp.approx.ftz.f32 %0, %0;", 1),
     "tanh.f32": ("tanh.approx.f32 %0, %0;", 1),
     "ex2.f16x2": ("ex2.approx.f16x2 %0, %0;", 2),
@@ -50,8 +51,8 @@ extern "C" __global__ void probe(unsigned* out, long long* cycles, int iters) {
 """
 
 
-def measure(step: str, chains: int, warps: int, sms: int, iters: int = 4096) -> float:
-    """Median over blocks of the cycles one block's loop took."""
+def measure(step: str, chains: int, warps: int, sms: int, iters: int = 4096) -> tuple[float, int]:
+    """(median over blocks of the cycles one block's loop took, iterations of that loop)."""
     src = SOURCE.replace("CHAINS", str(chains)).replace("STEP", '"' + step + '"')
     kernel = cp.RawModule(code=src, options=("-std=c++17",)).get_function("probe")
     out = cp.zeros(sms * warps * 32, dtype=cp.uint32)

@@ -4,10 +4,12 @@ forward, in interleaved rounds on the same inputs (docs/perf/NOTES.md, v25: the 
     python bench/probe_softcap.py --baseline DIR ... [--rounds 7] [--out DIR]
 
 bf16, the benchmark's shapes at N = 4096 (B = 4, H = 2048 / d, bshd), not causal, softcap 30.
-Each checkout's error is also checked first, on a small float16 and bfloat16 call with a softcap
-of 2 (most scores saturated) and of 30, against the float64 reference and the policy's bound
-(cuflash.testing), so that a faster form that loses precision shows it in the same table.
-TFLOP/s as bench_attention.py counts them; each entry is the median over rounds.
+First, tanh.approx.f32's error against float64 over bands of |y|; then each checkout's error on
+small float16 and bfloat16 calls with softcaps of 1, 5, 30 and 50 whose scores spread around the
+tanh's knee (S / c ~ N(0, 0.3^2), N(0, 1), N(0, 3^2)), as a fraction of the policy's bound
+(cuflash.testing), so that a faster form that loses precision shows it in the same table
+(--errors-only stops there). TFLOP/s as bench_attention.py counts them; each entry is the median
+over rounds.
 """
 
 from __future__ import annotations
