@@ -6,18 +6,21 @@
 bf16, B = 4, Hq = Hkv = 16 (the benchmark's 4k point); --causal, --window LEFT for the masks;
 --backward adds the backward to each call; --packed runs the same B sequences as one packed batch
 (attention_varlen_*); --long-tailed runs bench_varlen.py's packed batch instead (65536 tokens of
-lengths 64..8192, Hq = Hkv = 2048 / d).
+lengths 64..8192, Hq = Hkv = 2048 / d). CUFLASH_TREE=DIR imports DIR's cuflash instead of this
+tree's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# CUFLASH_TREE: another checkout's cuflash (an .ab/ variant tree; bench/ncu_forward.sh)
+sys.path.insert(0, os.environ.get("CUFLASH_TREE", str(Path(__file__).resolve().parent.parent)))
 import cuflash  # noqa: E402
 
 
