@@ -110,7 +110,7 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     # fills its bucket (the TMA unit would store partial boxes otherwise: forward_sm90_tma.cu).
     o_via_tma = (
         choice.o_store == "tma"
-        and bucket <= _kernels.TMA_STORE_MAX_HEAD_DIM
+        and _kernels.o_staging_fits(bucket, tiles)
         and p.head_dim == bucket
         and _tma_readable(p, strides, ("o",))
     )

@@ -164,12 +164,22 @@ FUSED_STAGES = {64: 4, 128: 2}
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
-# Sequences of at least `rows` query rows take taller query tiles where those are faster
-# (docs/perf/NOTES.md, v7-v8): {(family, bucket): (rows, tiles)}.
-_TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2))}
-# Feature sets that keep the short sequences' tiles at every length: the packed d = 64 TMA forward
-# with three consumer warpgroups spilled 8 B with ALiBi, 24-28 B with ALiBi and a window.
-_TMA_LONG_SPILLS = {("forward", 64): FEATURE_PACKED | FEATURE_ALIBI}
+# Sequences of at least `rows` query rows take other tiles where those are faster
+# (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles)}. d = 64: taller query
+# tiles. d = 128: longer key tiles, fewer per-tile costs per key (FlashAttention-3 takes 176);
+# O then goes from registers (no room for the staging tile: o_staging_fits).
+_TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2)), ("forward", 128): (4096, (128, 160, 2))}
+# The feature sets that take those tiles; the others keep the short sequences' tiles at every
+# length. d = 64: all but packed with ALiBi (three consumer warpgroups spilled 8 B with ALiBi,
+# 24-28 B with ALiBi and a window). d = 128: dense and the softcap, the sets measured (v26;
+# windows, ALiBi and packed calls were not; packed with the softcap or ALiBi and the softcap
+# with a window and ALiBi spill 16-68 B).
+_TMA_LONG_FEATURES = {
+    ("forward", 64): frozenset(
+        f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0
+    ),
+    ("forward", 128): frozenset({0, FEATURE_SOFTCAP}),
+}
 # Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
 # {(family, path, bucket): tiles}.
 _SCORE_MOD_TILES = {("dkdv", "mma", 192): (32, 32, 4, 2)}  # (64, 32, 4, 2): 8 B on sm_90a
@@ -189,14 +199,15 @@ FORWARD_SCHEDULES = ("serial", "overlap", "turns")
 
 def forward_schedule(head_dim: int, tiles: tuple) -> str:
     """The TMA forward's loop for these tiles: pipelined with turns where a consumer's registers
-    hold O's accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 64 for
-    the rest: three consumers at d = 64 and BN = 128 spilled 16-160 bytes). On an H100, turns ran
-    1.04-1.11x serial at d = 128 and 1.01-1.05x at d = 256, and "overlap" (no turns) 0.97-1.02x
-    serial (docs/perf/NOTES.md, v18)."""
+    hold O's accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 56 for
+    the rest: three consumers at d = 64 and BN = 128 spilled 16-160 bytes; two at d = 128 and
+    BN = 160 fit with none). On an H100, turns ran 1.04-1.11x serial at d = 128 and 1.01-1.05x at
+    d = 256, "overlap" (no turns) 0.97-1.02x serial (docs/perf/NOTES.md, v18), and at d = 128 with
+    BN = 160 turns ran 1.10x serial (v26)."""
     bm, bn = tiles[0], tiles[1]
     registers = 240 if bm // 64 == 2 else 160  # kernels_cu/tma.cuh, WarpSpecialisedRegisters
     bucket = head_dim_bucket(head_dim)
-    if bucket // 2 + bn // 2 + bn // 4 + 64 > registers:
+    if bucket // 2 + bn // 2 + bn // 4 + 56 > registers:
         return "serial"
     return "turns"
 
@@ -288,8 +299,8 @@ def default_tiles(
         return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
         long_tiles = _TMA_TILES_LONG.get((family, bucket))
-        spills = _TMA_LONG_SPILLS.get((family, bucket), 0)
-        if long_tiles and seq_q >= long_tiles[0] and (features & spills) != spills:
+        taken = features in _TMA_LONG_FEATURES.get((family, bucket), ())
+        if long_tiles and seq_q >= long_tiles[0] and taken:
             return long_tiles[1]
         return _TMA_TILES[family][bucket]
     if path == "fused":
@@ -466,6 +477,16 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)
 
 
+def o_staging_fits(head_dim: int, tiles: tuple) -> bool:
+    """Whether the TMA forward with these tiles has room in shared memory for O's staging tile
+    (kernels_cu/forward_sm90_tma.cu, O_VIA_TMA): head dims up to TMA_STORE_MAX_HEAD_DIM, and
+    not with d = 128's long key tiles."""
+    bucket = head_dim_bucket(head_dim)
+    if bucket > TMA_STORE_MAX_HEAD_DIM:
+        return False
+    return instance("forward", "tma", "float16", bucket, tiles, 0, True).smem_bytes <= SM90_MAX_SMEM
+
+
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     """Every instance the library's dispatch can launch on `arch` (cuflash/_dispatch.py): what
     the compile check must cover."""
@@ -491,7 +512,7 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                             tiles = default_tiles(family, path, dt, hd, seq_q, features)
                             stores = (False, True) if family == "forward" else (False,)
                             for o_via_tma in stores:
-                                if o_via_tma and hd > TMA_STORE_MAX_HEAD_DIM:
+                                if o_via_tma and not o_staging_fits(hd, tiles):
                                     continue
                                 specs.add(
                                     instance(family, path, dt, hd, tiles, features, o_via_tma)

@@ -74,9 +74,15 @@ def test_forward_work_list():
         assert (launch.num_blocks, launch.row_shift, launch.paired) == (slots, shift, paired)
         assert launch.num_work == slots * p.batch * p.heads_q
         assert launch.grid == min(-(-launch.num_work // (2 if paired else 1)), 132)
-    # long sequences take the taller tiles at d = 64
+    # long sequences take the taller tiles at d = 64, longer key tiles at d = 128 (O from
+    # registers there)
     p = problem(seq_q=4096, seq_k=4096, head_dim=64)
     assert _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec.rows_per_block == 192
+    for seq_q, tiles in ((4095, (128, 128)), (4096, (128, 160))):
+        p = problem(seq_q=seq_q, seq_k=4096, head_dim=128)
+        spec = _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec
+        assert (spec.rows_per_block, spec.rows_per_step) == tiles
+        assert spec.o_via_tma == (tiles[1] == 128)
 
 
 def test_backward_launches():

@@ -104,13 +104,32 @@ def test_tma_instances():
     assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2047) == (128, 128, 2)
     long_tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2048)
     assert long_tiles == (192, 128, 2)
-    # the compile check builds every TMA instance the dispatch can launch
+    # ... and at d = 128 longer key tiles from 4096 rows, dense or with the softcap only, with O
+    # from registers (no room for the staging tile)
+    for features in (0, _kernels.FEATURE_SOFTCAP):
+        tiles = [
+            _kernels.default_tiles("forward", "tma", "bfloat16", 128, n, features)
+            for n in (4095, 4096)
+        ]
+        assert tiles == [(128, 128, 2), (128, 160, 2)]
+    assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 1) == (128, 128, 2)
+    assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 10) == (128, 128, 2)
+    assert not _kernels.o_staging_fits(128, (128, 160, 2))
+    assert _kernels.o_staging_fits(128, (128, 128, 2))
+    assert _kernels.o_staging_fits(64, (192, 128, 2))
+    assert not _kernels.o_staging_fits(256, (128, 64, 2))
+    # the compile check builds every TMA instance the dispatch can launch, and no other
     names = {s.name_expression for s in _kernels.all_specs("sm_90a")}
-    for seq in (1024, 4096):
-        tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, seq)
-        for o_via_tma in (False, True):
-            spec = _kernels.instance("forward", "tma", "bfloat16", 64, tiles, 0, o_via_tma)
-            assert spec.name_expression in names
+    for d in (64, 128):
+        for seq in (1024, 4096):
+            tiles = _kernels.default_tiles("forward", "tma", "bfloat16", d, seq)
+            for o_via_tma in (False, True):
+                if o_via_tma and not _kernels.o_staging_fits(d, tiles):
+                    continue
+                spec = _kernels.instance("forward", "tma", "bfloat16", d, tiles, 0, o_via_tma)
+                assert spec.name_expression in names
+    staged = _kernels.instance("forward", "tma", "bfloat16", 128, (128, 160, 2), 0, True)
+    assert staged.name_expression not in names and staged.smem_bytes > _kernels.SM90_MAX_SMEM
 
 
 def _template_args(spec: _kernels.KernelSpec) -> list[str]:
@@ -134,6 +153,8 @@ def test_forward_schedules():
     assert schedule(64, (192, 128, 2)) == "serial"
     assert schedule(64, (192, 64, 2)) == "turns"
     assert schedule(256, (128, 64, 2)) == "turns"
+    assert schedule(128, (128, 160, 2)) == "turns"  # no spill (docs/perf/NOTES.md, v26)
+    assert schedule(128, (128, 176, 2)) == "serial"
     for loop in _kernels.FORWARD_SCHEDULES:
         spec = _kernels.instance("forward", "tma", "float16", 128, None, 0, False, loop)
         assert spec.schedule == loop and _template_args(spec)[6] == _loop(spec)

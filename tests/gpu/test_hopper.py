@@ -5,6 +5,8 @@ test_kernels.py). Skipped on GPUs other than sm_90."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_kernels import Case, check_case, make
 
@@ -75,6 +77,30 @@ def test_long_sequence_tiles(seq_q, seq_k, causal):
     assert fwd.runs.aligned.launch.spec.rows_per_block == (192 if seq_q >= 2048 else 128)
 
 
+@pytest.mark.parametrize(
+    "seq_q,seq_k,causal,softcap,dtype",
+    [
+        (4100, 4100, False, None, "bfloat16"),
+        (4096, 4200, True, None, "float16"),
+        (4100, 1700, True, 5.0, "bfloat16"),
+        (4200, 4100, False, 30.0, "float16"),
+        (4000, 4000, False, None, "bfloat16"),
+    ],
+)
+def test_long_key_tiles_at_d128(seq_q, seq_k, causal, softcap, dtype):
+    # d = 128 forward: 160-key tiles from 4096 query rows, dense or with a softcap, O written from
+    # registers (no room for the staging tile); the last key tile partial (4100 = 25 x 160 + 100)
+    case = Case(1, 1, 2, seq_q, seq_k, 128, dtype, "bshd", causal, None, "contiguous", 13)
+    case = replace(case, softcap=softcap)
+    check_case(case, "long key tiles")
+    # the plan that call built (cuflash/_plans.py: keyed by the options and the arrays' layout)
+    signature = _plans.signature("forward", inputs_of(case), causal, None, softcap, None, "bshd")
+    spec = _plans.get(signature).runs.aligned.launch.spec
+    long_tiles = seq_q >= 4096
+    assert (spec.rows_per_block, spec.rows_per_step) == (128, 160 if long_tiles else 128)
+    assert spec.o_via_tma != long_tiles and spec.schedule == "turns"
+
+
 def test_patched_tensor_maps_equal_the_drivers():
     x = torch.empty(4, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
     base = x.data_ptr()
@@ -84,7 +110,8 @@ def test_patched_tensor_maps_equal_the_drivers():
 
 
 @pytest.mark.parametrize(
-    "head_dim,tiles", [(64, None), (64, (192, 128, 2)), (128, None), (256, None)]
+    "head_dim,tiles",
+    [(64, None), (64, (192, 128, 2)), (128, None), (128, (128, 160, 2)), (256, None)],
 )
 @pytest.mark.parametrize(
     "seq_q,seq_k", [(64, 64), (193, 193), (333, 333), (1000, 1000), (517, 900), (900, 517)]
