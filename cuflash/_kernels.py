@@ -164,21 +164,26 @@ FUSED_STAGES = {64: 4, 128: 2}
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
-# Sequences of at least `rows` query rows take other tiles where those are faster
-# (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles)}. d = 64: taller query
-# tiles. d = 128: longer key tiles, fewer per-tile costs per key (FlashAttention-3 takes 176);
-# O then goes from registers (no room for the staging tile: o_staging_fits).
-_TMA_TILES_LONG = {("forward", 64): (2048, (192, 128, 2)), ("forward", 128): (4096, (128, 160, 2))}
-# The feature sets that take those tiles; the others keep the short sequences' tiles at every
-# length. d = 64: all but packed with ALiBi (three consumer warpgroups spilled 8 B with ALiBi,
-# 24-28 B with ALiBi and a window). d = 128: dense and the softcap, the sets measured (v26;
-# windows, ALiBi and packed calls were not; packed with the softcap or ALiBi and the softcap
-# with a window and ALiBi spill 16-68 B).
-_TMA_LONG_FEATURES = {
-    ("forward", 64): frozenset(
-        f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0
+# Calls of at least `rows` query rows with one of `feature sets` take `tiles` where those are
+# faster than the table's (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles,
+# feature sets)}; the other feature sets keep the table's tiles at every length.
+# - d = 64: taller query tiles from 2048 rows; all but packed with ALiBi (three consumer
+#   warpgroups spilled 8 B with ALiBi, 24-28 B with ALiBi and a window).
+# - d = 128: longer key tiles from 4096 rows (fewer per-tile costs per key; FlashAttention-3 takes
+#   176); O then goes from registers (no room for the staging tile: o_staging_fits).
+# - d = 256: 80-key tiles at every length (the 64-key tiles' per-tile costs; FlashAttention-3
+#   takes 80 too).
+# d = 128 and 256: dense (causal or not) and the softcap, the sets measured (v26); windows, ALiBi
+# and packed calls were not. Packed with the softcap or ALiBi spill 16-68 B there, as do the
+# softcap with ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128: 16 B).
+_TMA_TILES_FOR = {
+    ("forward", 64): (
+        2048,
+        (192, 128, 2),
+        frozenset(f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0),
     ),
-    ("forward", 128): frozenset({0, FEATURE_SOFTCAP}),
+    ("forward", 128): (4096, (128, 160, 2), frozenset({0, FEATURE_SOFTCAP})),
+    ("forward", 256): (0, (128, 80, 2), frozenset({0, FEATURE_SOFTCAP})),
 }
 # Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
 # {(family, path, bucket): tiles}.
@@ -199,15 +204,16 @@ FORWARD_SCHEDULES = ("serial", "overlap", "turns")
 
 def forward_schedule(head_dim: int, tiles: tuple) -> str:
     """The TMA forward's loop for these tiles: pipelined with turns where a consumer's registers
-    hold O's accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 56 for
-    the rest: three consumers at d = 64 and BN = 128 spilled 16-160 bytes; two at d = 128 and
-    BN = 160 fit with none). On an H100, turns ran 1.04-1.11x serial at d = 128 and 1.01-1.05x at
-    d = 256, "overlap" (no turns) 0.97-1.02x serial (docs/perf/NOTES.md, v18), and at d = 128 with
-    BN = 160 turns ran 1.10x serial (v26)."""
+    hold O's accumulator, S and the P fragments at once (d / 2 + 3 BN / 4 registers, and 52 for
+    the rest: three consumers at d = 64 and BN = 128 spilled 16-160 bytes; two at d = 128 with
+    BN = 160 and at d = 256 with BN = 80 fit with none, and at d = 128 with BN = 176 spilled
+    88 B with the softcap). On an H100, turns ran 1.04-1.11x serial at d = 128 and 1.01-1.05x at
+    d = 256, "overlap" (no turns) 0.97-1.02x serial (docs/perf/NOTES.md, v18); with d = 128's
+    160-key tiles turns ran 1.10x serial, with d = 256's 80-key tiles 1.00-1.05x (v26)."""
     bm, bn = tiles[0], tiles[1]
     registers = 240 if bm // 64 == 2 else 160  # kernels_cu/tma.cuh, WarpSpecialisedRegisters
     bucket = head_dim_bucket(head_dim)
-    if bucket // 2 + bn // 2 + bn // 4 + 56 > registers:
+    if bucket // 2 + bn // 2 + bn // 4 + 52 > registers:
         return "serial"
     return "turns"
 
@@ -298,10 +304,9 @@ def default_tiles(
     if packed_mods and (family, path, bucket) in _PACKED_SCORE_MOD_TILES:
         return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
-        long_tiles = _TMA_TILES_LONG.get((family, bucket))
-        taken = features in _TMA_LONG_FEATURES.get((family, bucket), ())
-        if long_tiles and seq_q >= long_tiles[0] and taken:
-            return long_tiles[1]
+        rows, tiles, feature_sets = _TMA_TILES_FOR.get((family, bucket), (0, None, ()))
+        if seq_q >= rows and features in feature_sets:
+            return tiles
         return _TMA_TILES[family][bucket]
     if path == "fused":
         return (*FUSED_TILES, FUSED_STAGES[bucket]) if family == "dkdv" else ()

@@ -112,6 +112,9 @@ def test_tma_instances():
             for n in (4095, 4096)
         ]
         assert tiles == [(128, 128, 2), (128, 160, 2)]
+    # ... and at d = 256 80-key tiles at every length, dense or with the softcap only
+    for features, tiles in ((0, (128, 80, 2)), (2, (128, 80, 2)), (6, (128, 64, 2))):
+        assert _kernels.default_tiles("forward", "tma", "bfloat16", 256, 100, features) == tiles
     assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 1) == (128, 128, 2)
     assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 10) == (128, 128, 2)
     assert not _kernels.o_staging_fits(128, (128, 160, 2))
@@ -155,6 +158,7 @@ def test_forward_schedules():
     assert schedule(256, (128, 64, 2)) == "turns"
     assert schedule(128, (128, 160, 2)) == "turns"  # no spill (docs/perf/NOTES.md, v26)
     assert schedule(128, (128, 176, 2)) == "serial"
+    assert schedule(256, (128, 80, 2)) == "turns"
     for loop in _kernels.FORWARD_SCHEDULES:
         spec = _kernels.instance("forward", "tma", "float16", 128, None, 0, False, loop)
         assert spec.schedule == loop and _template_args(spec)[6] == _loop(spec)

@@ -111,7 +111,14 @@ def test_patched_tensor_maps_equal_the_drivers():
 
 @pytest.mark.parametrize(
     "head_dim,tiles",
-    [(64, None), (64, (192, 128, 2)), (128, None), (128, (128, 160, 2)), (256, None)],
+    [
+        (64, None),
+        (64, (192, 128, 2)),
+        (128, None),
+        (128, (128, 160, 2)),
+        (256, None),
+        (256, (128, 64, 2)),
+    ],
 )
 @pytest.mark.parametrize(
     "seq_q,seq_k", [(64, 64), (193, 193), (333, 333), (1000, 1000), (517, 900), (900, 517)]
