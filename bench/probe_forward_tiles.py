@@ -9,7 +9,8 @@ consumer warpgroups against the softcap's MUFU latency; longer key tiles at d = 
 Each config is BMxBNxSTAGES:SCHEDULE, with ":reg" for O written from registers instead of
 through a staging tile and TMA stores, or "table" for the library's own choice. bf16, N = 4096
 (--seq), B = 16384 / N, H = 2048 / d, bshd; dense and softcap 30, not causal; dense causal too
-with --causal. TFLOP/s as bench_attention.py counts them (the median over rounds). A config that
+with --causal; --extra window alibi: a causal window of 1024 keys, ALiBi. TFLOP/s as
+bench_attention.py counts them, on the visible pairs (the median over rounds). A config that
 a checkout cannot build or launch is reported and skipped. --compile-only builds the plans of
 every N-th (tree, config) pair into CuPy's disk cache and exits: run the shards in parallel
 processes before the timed run.
@@ -50,8 +51,24 @@ def plan_of(module, config: str, q, k, v, options: dict):
     )
     testing = importlib.import_module(module.__name__ + ".testing")
     *_, plan = testing.attention_forward_with(choice, q, k, v, **options)
-    pointers = [x.data_ptr() for x in (q, k, v)]
+    slopes = options.get("alibi_slopes")
+    pointers = [x.data_ptr() for x in (q, k, v)] + ([] if slopes is None else [slopes.data_ptr()])
     return lambda: plan(*pointers)
+
+
+def variants(n: int, heads: int, extra: list[str], causal: bool, gen) -> list[tuple]:
+    """(label, options, visible query-key pairs per head) of the timed rows at length n."""
+    rows = [("dense", {}, n * n), ("softcap 30", {"softcap": 30.0}, n * n)]
+    if causal:
+        rows.append(("dense causal", {"causal": True}, n * n // 2))  # as the benchmark counts
+    if "window" in extra:  # a causal window of 1024 keys: row i sees min(i, 1023) + 1 keys
+        left = 1023
+        pairs = sum(min(i, left) + 1 for i in range(n))
+        rows.append(("window 1023 causal", {"causal": True, "window": (left, 0)}, pairs))
+    if "alibi" in extra:
+        slopes = torch.rand(heads, device="cuda", generator=gen) * 0.1
+        rows.append(("alibi", {"alibi_slopes": slopes}, n * n))
+    return rows
 
 
 def main() -> int:
@@ -61,6 +78,9 @@ def main() -> int:
     parser.add_argument("--config", nargs="+", default=["table"])
     parser.add_argument("--seq", nargs="+", type=int, default=[4096])
     parser.add_argument("--causal", action="store_true", help="causal rows too")
+    parser.add_argument(
+        "--extra", nargs="*", default=[], choices=["window", "alibi"], help="rows with these too"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
@@ -80,9 +100,8 @@ def main() -> int:
             torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(3)
         )
-        for causal, cap in [(False, None), (False, 30.0)] + [(True, None)] * args.causal:
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
-            options = {"causal": causal} | ({} if cap is None else {"softcap": cap})
+        for row_label, options, pairs in variants(n, h, args.extra, args.causal, gen):
+            flops = 4 * b * h * pairs * d
             methods = {}
             for name, module in modules.items():
                 for config in args.config:
@@ -96,7 +115,7 @@ def main() -> int:
                         torch.cuda.synchronize()
                     except Exception as e:  # a tile the kernel or the machine does not take
                         methods.pop(label, None)
-                        msg = f"N={n} d={d} {cap} {causal} {label}: skipped "
+                        msg = f"N={n} d={d} {row_label} {label}: skipped "
                         msg += f"({type(e).__name__}: {e})"
                         print(msg.splitlines()[0][:300], flush=True)
                         if not args.compile_only:
@@ -104,8 +123,7 @@ def main() -> int:
                         lines.append(msg.splitlines()[0][:300])
             if args.compile_only or not methods:
                 continue
-            label = f"N={n} d={d} {'dense' if cap is None else 'softcap 30'}"
-            label += " causal" if causal else ""
+            label = f"N={n} d={d} {row_label}"
             lines.append(row(label, methods, flops, args.rounds))
     if args.out and not args.compile_only:
         out = Path(args.out)

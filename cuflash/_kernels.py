@@ -173,9 +173,11 @@ FUSED_DQ_THREADS = 128
 #   176); O then goes from registers (no room for the staging tile: o_staging_fits).
 # - d = 256: 80-key tiles at every length (the 64-key tiles' per-tile costs; FlashAttention-3
 #   takes 80 too).
-# d = 128 and 256: dense (causal or not) and the softcap, the sets measured (v26); windows, ALiBi
-# and packed calls were not. Packed with the softcap or ALiBi spill 16-68 B there, as do the
-# softcap with ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128: 16 B).
+# d = 128 and 256: the sets that gained (v26, H100): dense (causal or not) and the softcap, and
+# ALiBi at d = 256 (+4-8%). A causal window of 1024 keys lost 10% with d = 128's long tiles and
+# did not move at d = 256; ALiBi at d = 128 read -0.4% at 4k and +3% at 16k; packed calls were
+# not measured. Packed with the softcap or ALiBi spill 16-68 B there, as do the softcap with
+# ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128: 16 B).
 _TMA_TILES_FOR = {
     ("forward", 64): (
         2048,
@@ -183,7 +185,7 @@ _TMA_TILES_FOR = {
         frozenset(f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0),
     ),
     ("forward", 128): (4096, (128, 160, 2), frozenset({0, FEATURE_SOFTCAP})),
-    ("forward", 256): (0, (128, 80, 2), frozenset({0, FEATURE_SOFTCAP})),
+    ("forward", 256): (0, (128, 80, 2), frozenset({0, FEATURE_SOFTCAP, FEATURE_ALIBI})),
 }
 # Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
 # {(family, path, bucket): tiles}.
