@@ -21,7 +21,8 @@ namespace cuflash {
 // docs/perf/NOTES.md v25), so a capped score carries at most c * 8e-6, far under a half-precision
 // score's own rounding. tests/gpu/test_score_mods.py holds the device it runs on to 2^-15. The
 // exact form 1 - 2 / (exp(2x) + 1) took two MUFU operations (ex2, rcp); with one the softcap
-// forward's cost at d = 128 fell from 35% to 18.5% on the H100 (v25). Gives +-1 at +-inf, NaN for NaN.
+// forward's cost at d = 128 fell from 35% to 18.5% on the H100 (v25). Gives +-1 at +-inf and NaN
+// for NaN.
 __device__ __forceinline__ float tanh_fast(float x) {
   float t;
   asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
