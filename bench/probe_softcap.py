@@ -57,14 +57,12 @@ def errors(module, dtype: str, softcap: float, spread: float, d: int = 128) -> s
 
 
 def tanh_profile() -> list[str]:
-    """tanh.approx.f32's absolute and relative error against float64 over |y| bands."""
+    """The kernels' tanh (tanh.approx.f32, cuflash.testing.kernel_tanh): its absolute and relative
+    error against float64 over |y| bands."""
     import cupy as cp
 
-    kernel = cp.ElementwiseKernel(
-        "float32 y", "float32 t", 'asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(y));', "tanh_ap"
-    )
     y = cp.linspace(-12, 12, 1 << 24, dtype=cp.float32)
-    t = kernel(y).get().astype(np.float64)
+    t = testing.kernel_tanh(y).get().astype(np.float64)
     yh = y.get().astype(np.float64)
     exact = np.tanh(yh)
     lines = []

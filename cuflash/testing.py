@@ -241,6 +241,29 @@ def _compare(name: str, got: Any, ref: Any, naive: Any, dtype: str, xp: Any) -> 
 # Explicit kernel choices, for tests and benchmarks (the public API always runs the library's)
 
 
+_TANH_KERNEL = r"""
+extern "C" __global__ void tanh_of(const float* y, float* t, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) t[i] = cuflash::tanh_fast(y[i]);
+}
+"""
+
+
+def kernel_tanh(y: Any) -> Any:
+    """tanh of the float32 CuPy array `y` as the half-precision kernels compute it
+    (kernels_cu/score_mod.cuh, tanh_fast: one tanh.approx.f32), on the current GPU: what the GPU
+    test and bench/probe_softcap.py hold to the accuracy measured in docs/perf/NOTES.md, v25."""
+    import cupy as cp
+
+    from . import _kernels
+
+    source = _kernels.expanded_source("score_mod.cuh") + _TANH_KERNEL
+    kernel = cp.RawModule(code=source, options=("--std=c++17",)).get_function("tanh_of")
+    t = cp.empty_like(y)
+    kernel(((y.size + 255) // 256,), (256,), (y, t, np.int32(y.size)))
+    return t
+
+
 def attention_forward_with(
     choice: Any, q: Any, k: Any, v: Any, alibi_slopes: Any = None, **options: Any
 ) -> tuple:

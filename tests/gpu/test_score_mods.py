@@ -137,21 +137,12 @@ def test_tanh_of_the_half_precision_kernels_is_accurate_on_this_gpu():
     import cupy as cp
     import numpy as np
 
-    from cuflash import _kernels
+    from cuflash import testing
 
-    source = _kernels.expanded_source("score_mod.cuh") + r"""
-extern "C" __global__ void tanh_of(const float* y, float* t, int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) t[i] = cuflash::tanh_fast(y[i]);
-}
-"""
-    kernel = cp.RawModule(code=source, options=("--std=c++17",)).get_function("tanh_of")
     grid = np.linspace(-20.0, 20.0, 1 << 22, dtype=np.float32)
     special = np.array([0.0, -0.0, 1e-30, -1e-30, 1e-6, np.inf, -np.inf, np.nan], np.float32)
     y = cp.asarray(np.concatenate([grid, special]))
-    t = cp.empty_like(y)
-    kernel(((y.size + 255) // 256,), (256,), (y, t, np.int32(y.size)))
-    got = t.get().astype(np.float64)
+    got = testing.kernel_tanh(y).get().astype(np.float64)
     exact = np.tanh(y.get().astype(np.float64))
     finite = np.isfinite(exact)
     relative = np.abs(got[finite] - exact[finite]) / np.maximum(np.abs(exact[finite]), 1e-37)
