@@ -116,11 +116,11 @@ def main() -> int:
                     except Exception as e:  # a tile the kernel or the machine does not take
                         methods.pop(label, None)
                         msg = f"N={n} d={d} {row_label} {label}: skipped "
-                        msg += f"({type(e).__name__}: {e})"
-                        print(msg.splitlines()[0][:300], flush=True)
+                        msg = (msg + f"({type(e).__name__}: {e})").splitlines()[0][:300]
+                        print(msg, flush=True)
                         if not args.compile_only:
                             traceback.print_exc(limit=1)
-                        lines.append(msg.splitlines()[0][:300])
+                        lines.append(msg)
             if args.compile_only or not methods:
                 continue
             label = f"N={n} d={d} {row_label}"

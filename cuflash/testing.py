@@ -237,10 +237,6 @@ def _compare(name: str, got: Any, ref: Any, naive: Any, dtype: str, xp: Any) -> 
     return Check(name, passed, error, naive_error, bound, relative, message)
 
 
-# ---------------------------------------------------------------------------------------------
-# Explicit kernel choices, for tests and benchmarks (the public API always runs the library's)
-
-
 _TANH_KERNEL = r"""
 extern "C" __global__ void tanh_of(const float* y, float* t, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -262,6 +258,10 @@ def kernel_tanh(y: Any) -> Any:
     t = cp.empty_like(y)
     kernel(((y.size + 255) // 256,), (256,), (y, t, np.int32(y.size)))
     return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit kernel choices, for tests and benchmarks (the public API always runs the library's)
 
 
 def attention_forward_with(

@@ -114,7 +114,7 @@ def test_tma_instances():
         assert tiles == [(128, 128, 2), (128, 160, 2)]
     # ... and at d = 256 80-key tiles at every length, dense or with the softcap or ALiBi alone
     sets = ((0, (128, 80, 2)), (2, (128, 80, 2)), (4, (128, 80, 2)), (6, (128, 64, 2)))
-    for features, tiles in sets + ((1, (128, 64, 2)),):
+    for features, tiles in (*sets, (1, (128, 64, 2))):
         assert _kernels.default_tiles("forward", "tma", "bfloat16", 256, 100, features) == tiles
     assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 1) == (128, 128, 2)
     assert _kernels.default_tiles("forward", "tma", "float16", 128, 8192, 10) == (128, 128, 2)
