@@ -50,6 +50,12 @@ TENSORS = (
     "lse_accum",
 )
 
+# The FP8 forward's float32 descale factors, one per (batch, key/value head), after the rest.
+DESCALES = ("descale_q", "descale_k", "descale_v")
+# Tensors a launch reads only through a tensor map, never through Params (the FP8 forward's V^T):
+# a call's pointers list them last, and no field of Params takes them.
+MAP_ONLY = ("vt",)
+
 
 class Params(ctypes.Structure):
     _fields_ = [(name, TensorRef) for name in TENSORS] + [
@@ -93,7 +99,7 @@ class Params(ctypes.Structure):
         ("rows", _i64),
         ("block_table_stride", _i64),
         ("list_base", _i64),
-    ]
+    ] + [(name, TensorRef) for name in DESCALES]
 
 
 def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) -> Params:
@@ -103,6 +109,8 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
     (``Arguments.set_pointers``)."""
     params = Params()
     for name, (sb, sh, ss) in strides.items():
+        if name in MAP_ONLY:
+            continue
         ref = getattr(params, name)
         ref.batch, ref.head, ref.seq = sb, sh, ss
     mask = p.mask
@@ -128,11 +136,11 @@ def fill(p: Problem, strides: dict[str, tuple[int, int, int]], **launch: Any) ->
 
 
 def pointer_offset(name: str) -> int:
-    """Where the pointer of `name` lies in Params: a TensorRef's ptr, or a plain pointer field
-    (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, work_list, dq_accum,
-    dq_semaphores)."""
+    """Where the pointer of `name` lies in Params: a TensorRef's ptr (TENSORS, DESCALES), or a
+    plain pointer field (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, work_list,
+    dq_accum, dq_semaphores)."""
     field = getattr(Params, name)
-    if name in TENSORS:
+    if name in TENSORS or name in DESCALES:
         return field.offset + TensorRef.ptr.offset
     return field.offset
 
@@ -152,12 +160,16 @@ class Arguments:
         self._pointers = (ctypes.c_void_p * len(block))(*(ctypes.addressof(a) for a in block))
         self.address = ctypes.addressof(self._pointers)  # kernelParams of cuLaunchKernel
         self._map_bytes = memoryview(self.maps).cast("B") if maps else None
+        fields = tuple(name for name in tensors if name not in MAP_ONLY)
+        if tensors[: len(fields)] != fields:
+            raise ValueError(f"map-only tensors {MAP_ONLY} come last, got {tensors}")
         self._fields = tuple(
-            ctypes.c_uint64.from_buffer(self.params, pointer_offset(name)) for name in tensors
+            ctypes.c_uint64.from_buffer(self.params, pointer_offset(name)) for name in fields
         )
+        self._count = len(fields)
 
     def set_pointers(self, pointers: tuple[int, ...]) -> None:
-        for field, ptr in zip(self._fields, pointers, strict=True):
+        for field, ptr in zip(self._fields, pointers[: self._count], strict=True):
             field.value = ptr
 
     def set_map(self, index: int, blob: bytes) -> None:

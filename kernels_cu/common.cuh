@@ -12,6 +12,9 @@ typedef long long i64;
 // Tag types naming the 16-bit element formats; the data itself is stored as unsigned short.
 struct f16 {};
 struct bf16 {};
+// The 8-bit format of the FP8 forward (float8_e4m3fn: no infinities, one NaN per sign), stored as
+// unsigned char. Only the Hopper TMA forward reads it (sm_89+ conversions).
+struct e4m3 {};
 
 __device__ __forceinline__ float inf_f32() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ double inf_f64() { return __longlong_as_double(0x7ff0000000000000LL); }
@@ -62,6 +65,26 @@ template <> struct ElemTraits<bf16> {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+  }
+};
+
+template <> struct ElemTraits<e4m3> {
+  typedef unsigned char storage;
+  typedef float acc;
+  static __device__ __forceinline__ float to_acc(unsigned char x) {
+    unsigned pair;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(static_cast<unsigned short>(x)));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(pair & 0xffffu)));
+    return f;
+  }
+  // Four floats rounded to e4m3 (NaN stays NaN, the rest saturates at +-448) and packed into one
+  // 32-bit register, b0 in the lowest byte.
+  static __device__ __forceinline__ unsigned pack4(float b0, float b1, float b2, float b3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b1), "f"(b0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(b3), "f"(b2));
+    return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
   }
 };
 

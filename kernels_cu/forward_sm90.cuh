@@ -15,17 +15,40 @@
 
 namespace cuflash {
 
+// The element formats of the Hopper forward. 16-bit (f16, bf16): k16 products, O in the input's
+// format, V_j read MN-major (transposed by the wgmma). 8-bit (e4m3, the FP8 forward): k32 products
+// (the same 32 bytes a step), O in bf16, and V_j read K-major, as 8-bit wgmma reads only: the host
+// hands the kernel V^T, each head's (d x keys) with the keys of every 16 permuted so that P's
+// accumulator registers are its A fragments as they are (to_a_fragments).
+template <typename Elem>
+struct ForwardFormat {
+  typedef Elem Out;
+  static constexpr int BYTES = 2, K_STEP = 16;
+  static constexpr bool V_TRANSPOSED = false;
+};
+template <>
+struct ForwardFormat<e4m3> {
+  typedef bf16 Out;
+  static constexpr int BYTES = 1, K_STEP = 32;
+  static constexpr bool V_TRANSPOSED = true;
+};
+
 template <typename Elem, int HD, int BM, int BN, int FEATURES>
 struct Sm90ForwardTraits {
   typedef typename Features<FEATURES>::Mask Mask;
   typedef typename Features<FEATURES>::template ScoreMod<> ScoreMod;
+  typedef ForwardFormat<Elem> Format;
+  typedef typename Format::Out Out;
+  static constexpr int BYTES = Format::BYTES;
   static constexpr int WARPGROUPS = BM / 64;
   static constexpr int NTHREADS = WARPGROUPS * 128;
   static constexpr int NT_S = BN / 8, NT_O = HD / 8;
-  static constexpr int K_QK = HD / 16, K_PV = BN / 16;
-  static constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;  // one tile, swizzled
+  // k steps of the two products (32 bytes of every row each)
+  static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
+  static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
   static constexpr int PITCH = HD + 8;  // the cp.async kernel's staging tile (gemm.cuh layout)
-  static_assert(HD % 64 == 0, "swizzled tiles are built from 64-column blocks");
+  static_assert(HD * BYTES % 128 == 0, "swizzled tiles are built from 128-byte column blocks");
+  static_assert(!Format::V_TRANSPOSED || BN % 128 == 0, "V^T tiles are built from 128-key blocks");
   static_assert(BM % 64 == 0 && BN % 16 == 0 && BN <= 256 && HD <= 256, "wgmma shapes");
 };
 
@@ -58,8 +81,8 @@ struct Sm90ForwardBlock {
   // are issued to the tensor cores as one wgmma group each, and the caller waits for them
   // (wgmma_wait) before the next step reads their registers.
 
-  // S = Q K_j^T for this warpgroup's 64 rows, K_j in shared memory at k_tile: k16 step kk reads
-  // 32 bytes of every row, in column block kk / 4.
+  // S = Q K_j^T for this warpgroup's 64 rows, K_j in shared memory at k_tile: k step kk (k16, or
+  // k32 for 8-bit elements) reads 32 bytes of every row, in column block kk / 4.
   __device__ __forceinline__ void issue_scores(const unsigned char* k_tile,
                                                float (&s)[1][Tr::NT_S][4]) const {
     wgmma_fence();
@@ -94,20 +117,44 @@ struct Sm90ForwardBlock {
     softmax.probabilities(s, scale_log2, alphas);
   }
 
-  // P rounded to the element type, as the A fragments of O += P V.
+  // P rounded to the element type, as the A fragments of O += P V. 16-bit: n-tiles 2kk, 2kk + 1
+  // are k16 step kk's fragment. 8-bit: a k32 fragment holds row g's keys 4t .. 4t + 3 in register
+  // 0 and 16 + 4t .. in register 2 (row g + 8: 1 and 3), where this lane's accumulator has keys
+  // 2t, 2t + 1 of every n-tile: register 0 takes those of n-tiles 4kk and 4kk + 1, so position
+  // 4t + i of every 16 keys holds key 2t + (i & 1) + 8 (i >> 1), the order of the host's V^T.
   static __device__ __forceinline__ void to_a_fragments(float (&s)[1][Tr::NT_S][4],
                                                         unsigned (&p)[Tr::K_PV][4]) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::K_PV; ++kk) accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+    for (int kk = 0; kk < Tr::K_PV; ++kk) {
+      if constexpr (Tr::BYTES == 2) {
+        accum_to_a_frag<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+      } else {
+        const float(&a)[4] = s[0][4 * kk];
+        const float(&b)[4] = s[0][4 * kk + 1];
+        const float(&c)[4] = s[0][4 * kk + 2];
+        const float(&d)[4] = s[0][4 * kk + 3];
+        p[kk][0] = ElemTraits<Elem>::pack4(a[0], a[1], b[0], b[1]);
+        p[kk][1] = ElemTraits<Elem>::pack4(a[2], a[3], b[2], b[3]);
+        p[kk][2] = ElemTraits<Elem>::pack4(c[0], c[1], d[0], d[1]);
+        p[kk][3] = ElemTraits<Elem>::pack4(c[2], c[3], d[2], d[3]);
+      }
+    }
   }
 
-  // O += P V_j, V_j in shared memory at v_tile: k16 step kk covers keys 16kk .. 16kk + 15, rows
-  // of V_j 2048 bytes apart ...
+  // O += P V_j, V_j in shared memory at v_tile. 16-bit: k16 step kk covers keys 16kk .. 16kk + 15,
+  // rows of V_j 2048 bytes apart. 8-bit: V_j^T (HD rows, BN / 128 column blocks of 128 keys), k32
+  // step kk reads 32 bytes of every row, in column block kk / 4 ...
   __device__ __forceinline__ void issue_pv(const unsigned char* v_tile, unsigned (&p)[Tr::K_PV][4]) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Tr::K_PV; ++kk)
-      wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
+    for (int kk = 0; kk < Tr::K_PV; ++kk) {
+      if constexpr (Tr::Format::V_TRANSPOSED) {
+        const unsigned char* steps = v_tile + (kk >> 2) * (HD * 128) + (kk & 3) * 32;
+        wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(steps, 16, 1024), 1);
+      } else {
+        wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
+      }
+    }
     wgmma_commit();
   }
   // ... and, once it has been waited for, acc_o may be read again and p written.

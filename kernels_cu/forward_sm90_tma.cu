@@ -107,7 +107,16 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr bool OVERLAP = SCHEDULE != SCHEDULE_SERIAL;
   static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
-  static constexpr int COL_BLOCKS = HD / 64;  // one TMA box per 64-column block of a tile
+  // One TMA box per 128-byte column block of a Q or K tile (BOX_COLS elements wide), and of V's
+  // (16-bit) or of V^T's, whose blocks hold 128 keys (8-bit: ForwardFormat); O's stores (16-bit)
+  // go in 64-column blocks.
+  static constexpr int BOX_COLS = 128 / Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES;
+  static constexpr int COL_BLOCKS = HD / BOX_COLS, O_COL_BLOCKS = HD / 64;
+  static constexpr bool V_TRANSPOSED = ForwardFormat<Elem>::V_TRANSPOSED;
+  static constexpr int V_BLOCKS = V_TRANSPOSED ? BN / 128 : COL_BLOCKS;
+  static_assert(!V_TRANSPOSED || !(Features<FEATURES>::SOFTCAP || Features<FEATURES>::ALIBI ||
+                                   Features<FEATURES>::PACKED),
+                "the FP8 forward: dense, causal or windowed, not packed");
 };
 
 // The tensor maps of q, k and v (read in boxes of BM query rows, BN keys) and of o (written in
@@ -206,16 +215,24 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(m0, BM, BN);
       // K or V (`sT`, `map`, its barriers) of visit `it` of this item's key tiles into its stage
       // (tile number pipe + it, stage (pipe + it) % STAGES), once the consumers released it.
+      // V^T (Tr::V_TRANSPOSED): its map is (keys, d, heads, batch), a box 128 keys by HD rows.
       auto load = [&](int it, unsigned char* sT, const TensorMap* map, unsigned long long* full,
                       unsigned long long* empty) {
         const int tile = pipe + it, stage = tile % STAGES;
         const int n0 = tiles.at(it) * BN;
         mbar_wait(&empty[stage], ((tile / STAGES) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[stage], Tr::KV_BYTES);
+        if (Tr::V_TRANSPOSED && map == &maps.v) {
+#pragma unroll
+          for (int c = 0; c < Tr::V_BLOCKS; ++c)
+            tma_load_4d(sT + stage * Tr::KV_BYTES + c * (HD * 128), map, &full[stage],
+                        seq.k_coord(n0) + 128 * c, 0, kv_head, seq.map_batch());
+          return;
+        }
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * 128), map, &full[stage], 64 * c,
-                      seq.k_coord(n0), kv_head, seq.map_batch());
+          tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * 128), map, &full[stage],
+                      Tr::BOX_COLS * c, seq.k_coord(n0), kv_head, seq.map_batch());
       };
       // The loads in the order the consumers use them: pipelined (Tr::OVERLAP), K_0, then
       // K_{it + 1} before V_it (they compute S_{it + 1} = Q K_{it + 1}^T before P_it V_it); the
@@ -231,8 +248,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb], 64 * c,
-                    seq.q_coord(m0), bc.head, seq.map_batch());
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb],
+                    Tr::BOX_COLS * c, seq.q_coord(m0), bc.head, seq.map_batch());
       if constexpr (Tr::OVERLAP) {
         for (int it = first_k; it <= count; ++it) {
           if (it < count) load(it, sK, &maps.k, bar.k_full, bar.k_empty);
@@ -257,7 +274,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.lane = lane;
   blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
   blk.wg = (warp - 4) >> 2;
-  blk.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  blk.scale_log2 = scale_log2;
   const typename Tr::Turns turns{blk.wg};
   turns.start();
   // The thread that issues this warpgroup's O stores (STAGE_O)
@@ -272,6 +290,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     blk.m0 = slot_row0<BM>(p, seq, bc.block);
     if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too
     blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
+    // The FP8 forward's factors per (batch, key/value head): q's and k's scale the scores, v's O.
+    float o_factor = 1.f;
+    if constexpr (Tr::V_TRANSPOSED) {
+      const int kv_head = bc.head / p.group;
+      blk.scale_log2 = scale_log2 * descale_of(p.descale_q, bc.batch, kv_head) *
+                       descale_of(p.descale_k, bc.batch, kv_head);
+      o_factor = descale_of(p.descale_v, bc.batch, kv_head);
+    }
     fill(blk.acc_o, 0.f);
     blk.softmax.init(p.p_shift);  // see forward.cu
     const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
@@ -366,7 +392,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
     // from registers) and lse.
     float lse_rows[1][2];
-    blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows);
+    blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows, o_factor);
     unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
     float* lse_head = seq.template q_head<float>(p.lse, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
@@ -384,13 +410,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const bool whole_box = box_row0 >= 0 && box_row0 + 64 <= seq.nq(p);
       staged = !warpgroup_any(Tr::STAGE_O_BARRIER + blk.wg, repair != 0 || !whole_box);
       if (staged) {
-        stage_output_rows<Elem, HD, BM>(sO, blk.acc_o[0], blk.wg, blk.warp_row0 - 64 * blk.wg,
-                                        lane);
+        stage_output_rows<typename Tr::Out, HD, BM>(sO, blk.acc_o[0], blk.wg,
+                                                    blk.warp_row0 - 64 * blk.wg, lane);
         fence_proxy_async_shared();
         warpgroup_sync(Tr::STAGE_O_BARRIER + blk.wg);
         if (o_issuer) {
 #pragma unroll
-          for (int c = 0; c < Tr::COL_BLOCKS; ++c)
+          for (int c = 0; c < Tr::O_COL_BLOCKS; ++c)
             tma_store_4d(&maps.o, sO + c * (BM * 128) + blk.wg * (64 * 128), 64 * c,
                          seq.q_coord(box_row0), bc.head, seq.map_batch());
           bulk_commit();
@@ -398,7 +424,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
     }
     if (!staged)
-      store_accumulator_rows<Elem, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p), p.head_dim,
+      store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p), p.head_dim,
                                              blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
@@ -410,12 +436,12 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     if (__any_sync(0xffffffffu, repair != 0)) {  // rare: a NaN or Inf met a masked tile
       __syncwarp();
       const int kv_head = bc.head / p.group;
-      recompute_forward_rows<Elem, HD, 1>(
+      typedef const typename ElemTraits<Elem>::storage In;
+      recompute_forward_rows<Elem, HD, 1, typename Tr::Out>(
           o_head + row0 * p.o.seq, p.o.seq, p.head_dim, repair, lse_rows, blk.scale_log2,
-          seq.template q_rows<const unsigned short>(p.q, bc.head),
-          seq.template k_rows<const unsigned short>(p.k, kv_head),
-          seq.template k_rows<const unsigned short>(p.v, kv_head), row0, Tr::Mask::of(p, seq.ext), blk.mod,
-          p.head_dim, lane);
+          seq.template q_rows<In>(p.q, bc.head), seq.template k_rows<In>(p.k, kv_head),
+          seq.template k_rows<In>(p.v, kv_head), row0, Tr::Mask::of(p, seq.ext), blk.mod,
+          p.head_dim, lane, o_factor);
     }
   }
   turns.finish();

@@ -65,7 +65,13 @@ struct Params {
   i64 rows;           // preprocess: batch * heads_q * seq_q
   i64 block_table_stride;  // paged KV cache: elements between two sequences' rows of the table
   i64 list_base;      // packed persistent kernels: the first entry (the header) of their work list
+  // The FP8 forward (e4m3 q, k, v; forward_sm90_tma.cu): float32 descale factors, one per (batch,
+  // key/value head) with those strides: S = scale (q . k) dq dk, O = dv P V / l. Null stands for 1.
+  TensorRef descale_q, descale_k, descale_v;
 };
+
+// Entry (batch, head) of a descale tensor of the FP8 forward, 1 where the call gave none.
+__device__ __forceinline__ float descale_of(const TensorRef& t, int batch, int head);
 
 // Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores), and the
 // keys of a work item of the fused backward (backward_sm90_fused.cu).
@@ -75,6 +81,10 @@ constexpr int FUSED_BM = 64, FUSED_BN = 128;
 template <typename T>
 __device__ __forceinline__ T* head_ptr(const TensorRef& t, int batch, int head) {
   return static_cast<T*>(t.ptr) + static_cast<i64>(batch) * t.batch + static_cast<i64>(head) * t.head;
+}
+
+__device__ __forceinline__ float descale_of(const TensorRef& t, int batch, int head) {
+  return t.ptr ? *head_ptr<const float>(t, batch, head) : 1.f;
 }
 
 // One head's rows of a tensor: row i starts at head + i * stride.

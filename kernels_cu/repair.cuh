@@ -136,9 +136,8 @@ __device__ __forceinline__ float row_value(const float (&per_row)[MT][2], int rl
 }
 
 // This lane's share (columns lane + 32 n < d, n < N) of the dot product of two rows.
-template <typename Elem, int N>
-__device__ __forceinline__ float lane_dot(const unsigned short* a, const unsigned short* b, int d,
-                                          int lane) {
+template <typename Elem, int N, typename S = typename ElemTraits<Elem>::storage>
+__device__ __forceinline__ float lane_dot(const S* a, const S* b, int d, int lane) {
   float s = 0.f;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
@@ -149,9 +148,9 @@ __device__ __forceinline__ float lane_dot(const unsigned short* a, const unsigne
 }
 
 // out[n] += w * row[col0 + lane + 32 n] over this lane's columns of a slice [col0, col0 + width).
-template <typename Elem, int N>
-__device__ __forceinline__ void lane_axpy(float (&out)[N], float w, const unsigned short* row,
-                                          int col0, int width, int d, int lane) {
+template <typename Elem, int N, typename S = typename ElemTraits<Elem>::storage>
+__device__ __forceinline__ void lane_axpy(float (&out)[N], float w, const S* row, int col0,
+                                          int width, int d, int lane) {
 #pragma unroll
   for (int n = 0; n < N; ++n) {
     const int c = lane + 32 * n;
@@ -173,13 +172,16 @@ __device__ __forceinline__ void lane_store(unsigned short* dst, const float (&ou
 // Forward: flagged rows recomputed whole over every key they see, from the lse the main loop found
 // (correct: the scores are masked with a select, so no 0 * NaN reaches it), and written over their
 // normalised rows (row rl of this warp at out + rl * pitch, columns [0, width): a staging tile in
-// shared memory, or O itself). lse_rows: this lane's rows' lse (natural log).
-template <typename Elem, int HD, int MT, typename Mask, typename Mod, typename Pitch>
+// shared memory, or O itself), as Out times o_factor (the FP8 forward: bf16, v's descale factor).
+// lse_rows: this lane's rows' lse (natural log).
+template <typename Elem, int HD, int MT, typename Out = Elem, typename Mask, typename Mod,
+          typename Pitch, typename In = const typename ElemTraits<Elem>::storage>
 __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitch pitch, int width,
                                                        unsigned rows, const float (&lse_rows)[MT][2],
-                                                       float scale_log2, const Rows& q, const Rows& k,
-                                                       const Rows& v, int row0, const Mask& mask,
-                                                       const Mod& mod, int d, int lane) {
+                                                       float scale_log2, const HeadRows<In>& q,
+                                                       const HeadRows<In>& k, const HeadRows<In>& v,
+                                                       int row0, const Mask& mask, const Mod& mod,
+                                                       int d, int lane, float o_factor = 1.f) {
   constexpr int CPL = (HD + 31) / 32;  // columns per lane
 #pragma unroll 1
   for (int rl = 0; rl < 16 * MT; ++rl) {
@@ -191,7 +193,7 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
     float acc[CPL];
 #pragma unroll
     for (int n = 0; n < CPL; ++n) acc[n] = 0.f;
-    const unsigned short* q_row = q.row(i);
+    In* q_row = q.row(i);
     const Bounds keys = mask.keys_of(i);
 #pragma unroll 1
     for (int j = keys.first; j <= keys.last; ++j) {
@@ -200,7 +202,7 @@ __device__ __forceinline__ void recompute_forward_rows(unsigned short* out, Pitc
       const float p = fast_exp2(fmaf(s, scale_log2, -lse2));
       lane_axpy<Elem, CPL>(acc, p, v.row(j), 0, HD, d, lane);
     }
-    lane_store<Elem, CPL>(out + rl * pitch, acc, 1.f, width, lane);
+    lane_store<Out, CPL>(out + rl * pitch, acc, o_factor, width, lane);
   }
 }
 

@@ -120,10 +120,11 @@ struct OnlineSoftmax {
     }
   }
 
-  // O = acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0, lse = -inf.
+  // O = o_factor acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0,
+  // lse = -inf. (o_factor: the FP8 forward's descale factor of v.)
   template <int NT_O>
   __device__ __forceinline__ void finalize(float (&acc)[MT][NT_O][4], float scale_log2,
-                                           float (&lse)[MT][2]) {
+                                           float (&lse)[MT][2], float o_factor = 1.f) {
     const float ln2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -131,7 +132,7 @@ struct OnlineSoftmax {
       for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(row_sum[mt][r]);
         const bool empty = (l == 0.f);
-        const float inv = empty ? 0.f : 1.f / l;
+        const float inv = empty ? 0.f : o_factor / l;
         lse[mt][r] = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {

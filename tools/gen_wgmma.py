@@ -9,6 +9,12 @@ N). The forms:
   wgmma_ss_tt  D (+)= A B     A (64 x 16) and B (16 x N) from shared memory, both MN-major
                (the fused backward's dQ = dS K, dS^T stored as its key rows)
 
+and for the 8-bit e4m3 elements of the FP8 forward, whose wgmma reads only K-major operands from
+shared memory (k32 steps: 32 elements, the same 32 bytes as a 16-bit k16 step):
+
+  wgmma_ss     D (+)= A B^T   A (64 x 32) and B (N x 32) from shared memory, both K-major
+  wgmma_rs     D += A B^T     A (64 x 32) from registers, B (N x 32) K-major (V stored transposed)
+
     python tools/gen_wgmma.py       # rewrites kernels_cu/wgmma.cuh in place
 """
 
@@ -37,6 +43,14 @@ COMMENT = {
     " * B (16 x {n}, shared, MN-major)",
     "wgmma_rs": "D (64 x {n}, fp32) += A (64 x 16, registers)"
     " * B (16 x {n}, shared, MN-major: transposed on the way)",
+}
+# The e4m3 forms: wgmma_ss at the FP8 forward's key tiles, wgmma_rs at its head dims (N = d).
+SHAPES_8BIT = {"wgmma_ss": (128,), "wgmma_rs": (128, 256)}
+COMMENT_8BIT = {
+    "wgmma_ss": "D (64 x {n}, fp32) (+)= A (64 x 32, shared, K-major)"
+    " * B ({n} x 32, shared, K-major)^T, e4m3",
+    "wgmma_rs": "D (64 x {n}, fp32) += A (64 x 32, registers)"
+    " * B ({n} x 32, shared, K-major)^T, e4m3",
 }
 INDENT = " " * 48  # continuation lines of the generated signatures
 
@@ -71,6 +85,35 @@ def specialization(form: str, elem: str, n: int) -> str:
     )
 
 
+def specialization_8bit(form: str, n: int) -> str:
+    """The e4m3 forms: k32, no transpose immediates (8-bit operands are K-major only)."""
+    regs = n // 2
+    acc = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    if form == "wgmma_rs":
+        args = f"const unsigned (&a)[4],\n{INDENT}unsigned long long desc_b, int accumulate"
+        pred = regs + 5
+        operands = f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1"
+        ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
+    else:
+        args = f"unsigned long long desc_a,\n{INDENT}unsigned long long desc_b, int accumulate"
+        pred = regs + 2
+        operands = f"%{regs}, %{regs + 1}, p, 1, 1"
+        ins = '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
+    return (
+        f"// {COMMENT_8BIT[form].format(n=n)}\n"
+        "template <>\n"
+        f"__device__ __forceinline__ void {form}<e4m3, {n}>(float (&d)[{n // 8}][4], {args}) {{\n"
+        "  asm volatile(\n"
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "\n'
+        f'      "{{{acc}}}, {operands};\\n}}\\n"\n'
+        f"      : {outs}\n"
+        f"      : {ins});\n"
+        "}\n"
+    )
+
+
 def generated() -> str:
     parts = []
     for elem in ELEMS:
@@ -78,6 +121,8 @@ def generated() -> str:
             for form in ("wgmma_ss", "wgmma_rs", "wgmma_ss_tb", "wgmma_ss_tt"):
                 if n in SHAPES[form]:
                     parts.append(specialization(form, elem, n))
+    for form, shapes in SHAPES_8BIT.items():
+        parts.extend(specialization_8bit(form, n) for n in shapes)
     return "\n".join(parts)
 
 
