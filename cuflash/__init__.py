@@ -2,6 +2,7 @@
 
     o = cuflash.attention(q, k, v, causal=False, scale=None, layout="bshd")
     o, lse = cuflash.attention_forward(q, k, v, ...)
+    o, lse = cuflash.attention_forward_fp8(q, k, v, q_descale=..., ...)  # e4m3 inputs, sm_90
     dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, ...)
     o, lse = cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  # packed
     o, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, ...)  # decoding
@@ -17,6 +18,7 @@ from .api import (
     attention,
     attention_backward,
     attention_forward,
+    attention_forward_fp8,
     attention_varlen,
     attention_varlen_backward,
     attention_varlen_forward,
@@ -28,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_forward",
+    "attention_forward_fp8",
     "attention_backward",
     "attention_varlen",
     "attention_varlen_forward",

@@ -52,6 +52,33 @@ def forward(
     return cpu_result(qi, o, p.dtype), cpu_result(qi, lse, p.lse_dtype)
 
 
+def forward_fp8(
+    p: Problem,
+    qi: ArrayInfo,
+    ki: ArrayInfo,
+    vi: ArrayInfo,
+    descales: tuple[ArrayInfo | None, ArrayInfo | None, ArrayInfo | None],
+) -> tuple[Any, Any]:
+    """attention_forward_fp8 on the CPU: the forward of the dequantised inputs (each (batch,
+    key/value head) times its descale factor) in float64, O rounded to bfloat16. The GPU kernel
+    also rounds P to e4m3 (cuflash.testing.naive_forward_fp8 models that)."""
+    arrays = []
+    for info, factor in zip((qi, ki, vi), descales, strict=True):
+        x = np.asarray(as_float(info), dtype=np.float64)
+        if factor is not None and x.size:
+            f = np.asarray(as_float(factor), dtype=np.float64)  # (B, Hkv)
+            f = np.repeat(f, p.group, axis=1) if info is qi else f  # per query head
+            x = x * (f[:, None, :, None] if p.layout == "bshd" else f[:, :, None, None])
+        arrays.append(x)
+    if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
+        o, lse = np.zeros(p.q_shape), np.full(p.lse_shape, -np.inf)
+    else:
+        o, lse = reference.forward_blockwise(
+            *arrays, window=p.window, scale=p.scale, layout=p.layout, **_blocks(p)
+        )
+    return cpu_result(qi, o, p.out_dtype), cpu_result(qi, lse, p.lse_dtype)
+
+
 def backward(
     p: Problem,
     doi: ArrayInfo,

@@ -70,15 +70,15 @@ class Run:
     ) -> None:
         self.launch, self.device, self.tensors = launch, device, tensors
         self.template = _params.fill(p, strides, **launch.params_fields())
-        itemsize = _kernels.ITEMSIZE[p.dtype]
-        # (index of its pointer in a call's, map) of each mapped tensor, in the kernel's order
+        # (index of its pointer in a call's, map) of each mapped tensor, in the kernel's order;
+        # o is in the output's dtype (bfloat16 for the FP8 forward's e4m3 inputs)
         self.maps = tuple(
             (
                 tensors.index(name),
                 _tma.tile_map(
                     p.map_shape(name),
                     strides[name],
-                    itemsize,
+                    _kernels.ITEMSIZE[p.out_dtype if name == "o" else p.dtype],
                     rows,
                     template_address,
                 ),
@@ -253,6 +253,81 @@ class ForwardPlan:
             # released when this returns: the allocators are stream-ordered (BackwardPlan's D)
             _held, work_list = workspace(self.alloc, self.work_list_words)
             self._run((q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *extra_ptr, *work_list))
+        return self.alloc.result(o), self.alloc.result(lse)
+
+
+# The FP8 forward's pointers: FORWARD_TENSORS, its descale factors (0 for none) and V^T's buffer
+# (read through its map only, _params.MAP_ONLY).
+FP8_FORWARD_TENSORS = (*FORWARD_TENSORS, *_params.DESCALES, "vt")
+
+
+class Fp8ForwardPlan:
+    """The FP8 forward for one call signature: V^T (kernels_cu/fp8_transpose.cu) into a buffer of
+    the call, then the TMA forward on e4m3 tiles; O in bfloat16, lse in float32. q, k and v must
+    be TMA-readable (16-byte aligned, d a multiple of 16; the caller checks)."""
+
+    def __init__(
+        self,
+        p: Problem,
+        qi: ArrayInfo,
+        ki: ArrayInfo,
+        vi: ArrayInfo,
+        descales: tuple[ArrayInfo | None, ArrayInfo | None, ArrayInfo | None],
+        choice: _dispatch.KernelChoice = _dispatch.DEFAULT,
+        poison: bool = False,
+    ) -> None:
+        self.p = p
+        self.device = p.device[1]
+        self.alloc = CudaAllocator(qi.library, self.device, poison)
+        self.stream = stream_getter(qi.library)
+        self.work = p.has_work
+        self.vt_words = -(-p.batch * p.heads_kv * p.head_dim * p.keys_padded // 4)
+        if not self.work:
+            return
+        kp, d = p.keys_padded, p.head_dim
+        strides = {
+            "q": p.bhs_strides(qi.strides),
+            "k": p.bhs_strides(ki.strides),
+            "v": p.bhs_strides(vi.strides),
+            "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
+            "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
+            "vt": (p.heads_kv * d * kp, d * kp, kp),
+        }
+        for name, info in zip(_params.DESCALES, descales, strict=True):
+            strides[name] = (0, 0, 0) if info is None else (*info.strides, 0)
+        arch, sms = _target(self.device)
+        launches = _dispatch.forward_fp8(p, strides, arch, sms, choice)
+        base = qi.ptr & ~15 or 16
+        self.forward = Run(launches.forward, p, strides, FP8_FORWARD_TENSORS, base, self.device)
+        # V^T's pass: Params' v is the source, its o the V^T buffer
+        moved = {"v": strides["v"], "o": strides["vt"]}
+        self.transpose = Run(launches.transpose, p, moved, ("v", "o"), base, self.device)
+
+    def call_arrays(self, arrays: tuple, given: tuple[bool, bool, bool]) -> tuple[Any, Any]:
+        """Runs the plan on q, k, v and the descale factors that are `given` (in that order)."""
+        pointers = _plans.pointers(arrays)
+        rest = iter(pointers[3:])
+        return self(*pointers[:3], tuple(next(rest) if g else 0 for g in given))
+
+    def __call__(
+        self, q_ptr: int, k_ptr: int, v_ptr: int, descale_ptrs: tuple[int, int, int]
+    ) -> tuple[Any, Any]:
+        """Runs the plan on the pointers of q, k, v and of the descale factors (0: none)."""
+        p = self.p
+        if (q_ptr | k_ptr | v_ptr) & 15:
+            raise ValueError(
+                "attention_forward_fp8 reads q, k and v with the TMA unit: their data must be "
+                "16-byte aligned; make a contiguous copy"
+            )
+        o = self.alloc(p.q_shape, p.out_dtype, None if self.work else 0.0)
+        lse = self.alloc(p.lse_shape, p.lse_dtype, None if self.work else -np.inf)
+        if self.work:
+            # released when this returns: the allocators are stream-ordered
+            vt = self.alloc((self.vt_words,), "int32")
+            stream = self.stream(self.device)
+            self.transpose(stream, (v_ptr, vt.ptr))
+            pointers = (q_ptr, k_ptr, v_ptr, o.ptr, lse.ptr, *descale_ptrs, vt.ptr)
+            self.forward(stream, pointers)
         return self.alloc.result(o), self.alloc.result(lse)
 
 

@@ -126,6 +126,41 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     return Pair(aligned, unaligned)
 
 
+@dataclass(frozen=True)
+class Fp8Launches:
+    """The FP8 forward's launches: V^T (kernels_cu/fp8_transpose.cu: its Params read v and write
+    "o", which is the V^T buffer), then the TMA forward on e4m3 tiles."""
+
+    transpose: Launch
+    forward: Launch
+
+
+def forward_fp8(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT) -> Fp8Launches:
+    """The FP8 forward's launches (sm_90a only; q, k, v TMA-readable, d a multiple of 16: the
+    caller checked). `strides` holds q, k, v, o and vt (V^T, C-contiguous (B, Hkv, d,
+    keys_padded))."""
+    if arch != "sm_90a":
+        raise ValueError(f"the FP8 forward runs on sm_90 GPUs (H100, H200); this one is {arch}")
+    tiles = choice.tiles_for("forward", "tma") or _kernels.fp8_default_tiles(p.head_dim)
+    bucket = _kernels.fp8_bucket(p.head_dim)
+    o_via_tma = (
+        choice.o_store == "tma"
+        and _kernels.o_staging_fits(bucket, tiles, p.dtype)
+        and p.head_dim == bucket
+        and _tma_readable(replace(p, dtype=p.out_dtype), strides, ("o",))
+    )
+    spec = _kernels.instance(
+        "forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma, choice.schedule
+    )
+    slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)
+    maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), ("vt", bucket))
+    maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
+    forward = _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
+    transpose = _kernels.instance("transpose_v", "fp8", p.dtype, p.head_dim)
+    blocks = _ceil_div(p.keys_padded, transpose.rows_per_block)
+    return Fp8Launches(Launch(transpose, blocks * p.heads_kv * p.batch, blocks), forward)
+
+
 # The work lists of packed calls on the persistent kernels (kernels_cu/work_list.cuh): a header and
 # an entry per item, 32 bytes each (kernels_cu/params.cuh, work_item), in a workspace that the
 # plan allocates per call: the forward's list, or the backward's two (dK/dV's, then dQ's). Its

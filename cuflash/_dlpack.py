@@ -30,6 +30,7 @@ _DTYPE_NAMES = {
     (5, 64): "complex64",
     (5, 128): "complex128",
     (6, 8): "bool",
+    (10, 8): "float8_e4m3fn",  # kDLFloat8_e4m3fn (DLPack 1.1): the FP8 forward's inputs
 }
 
 

@@ -156,6 +156,7 @@ _STORAGE = {
     "float32": np.float32,
     "float64": np.float64,
     "int32": np.int32,  # the offsets of packed sequences
+    "float8_e4m3fn": np.uint8,  # raw bits (the FP8 forward's inputs)
 }
 
 
@@ -191,8 +192,26 @@ def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def _e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 float8_e4m3fn bit patterns (no infinities; 0x7F and
+    0xFF are NaN; exponent bias 7, subnormals m / 8 * 2^-6)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 15, codes & 7
+    normal = (1 + mantissa / 8) * np.exp2(exponent - 7.0)
+    values = sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal)
+    return np.where((codes & 0x7F) == 0x7F, np.nan, values).astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_values()
+
+
 def as_float(info: ArrayInfo) -> np.ndarray:
     """The input's values as float32/float64 NumPy (a view where no conversion is needed)."""
+    if info.dtype == "float8_e4m3fn":
+        if info.library == "numpy":  # ml_dtypes' float8_e4m3fn
+            return np.asarray(info.obj).astype(np.float32)
+        return E4M3_VALUES[numpy_view(info)]
     view = numpy_view(info)
     return bf16_bits_to_float32(view) if info.dtype == "bfloat16" else view
 
@@ -220,7 +239,7 @@ def cpu_result(template: ArrayInfo, values: np.ndarray, dtype: str) -> Any:
 
 
 def _bfloat16_numpy_dtype(template: ArrayInfo) -> Any:
-    if template.library == "numpy":
+    if template.library == "numpy" and template.dtype == "bfloat16":
         return template.obj.dtype
     try:
         import ml_dtypes

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from . import _params
+from . import _params, _problem
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -29,7 +29,9 @@ TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 EXACT_DTYPES = ("float32", "float64")
 DTYPES = TENSOR_CORE_DTYPES + EXACT_DTYPES
 FAMILIES = ("forward", "preprocess", "dkdv", "dq")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+# The FP8 forward's input dtype (e4m3: q, k and v; O in bfloat16; forward only, sm_90a, TMA).
+FP8_DTYPE = _problem.FP8_DTYPE
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, FP8_DTYPE: 1}
 # The paths of the tensor-core dtypes, fastest first (where an instance exists).
 TENSOR_CORE_PATHS = ("tma", "wgmma", "mma")
 
@@ -56,8 +58,10 @@ _CPP_ELEM = {
     "bfloat16": "cuflash::bf16",
     "float32": "float",
     "float64": "double",
+    FP8_DTYPE: "cuflash::e4m3",
 }
 _SOURCE_FILE = {
+    ("transpose_v", "fp8"): "fp8_transpose.cu",
     ("forward", "mma"): "forward.cu",
     ("forward", "wgmma"): "forward_sm90.cu",
     ("forward", "tma"): "forward_sm90_tma.cu",
@@ -75,6 +79,7 @@ _SOURCE_FILE = {
     ("preprocess", "rows"): "backward_preprocess.cu",
 }
 _TEMPLATE = {
+    ("transpose_v", "fp8"): "transpose_v_fp8",
     ("forward", "mma"): "attention_forward_mma",
     ("forward", "wgmma"): "attention_forward_wgmma",
     ("forward", "tma"): "attention_forward_tma",
@@ -151,6 +156,23 @@ _TMA_TILES = {
     "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
+# The FP8 forward (the TMA forward with e4m3 elements): its head-dim buckets (the tiles' rows are
+# 128-byte swizzle rows: d <= 128 and d <= 256, zero-padded), (BM, BN, STAGES) per bucket (V^T's
+# tiles hold 128-key blocks), and its feature sets (masks only: no score modifier, not packed).
+FP8_BUCKETS = (128, 256)
+_FP8_TILES = {128: (128, 128, 2), 256: (128, 128, 2)}
+FP8_FEATURE_SETS = (0, FEATURE_LOCAL)
+TRANSPOSE_KEYS, TRANSPOSE_THREADS = 64, 256  # kernels_cu/fp8_transpose.cu
+
+
+def fp8_bucket(head_dim: int) -> int:
+    """The FP8 forward's template head dim for d (a multiple of 16 up to 256)."""
+    for bucket in FP8_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim must be at most {FP8_BUCKETS[-1]}, got {head_dim}")
+
+
 # The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN) (two
 # consumer warpgroups of 64 keys, 64-row query tiles), the stages of Q and dO per bucket (d = 64's
 # steps are short: more of them in flight), its schedules (the dK/dV kernel's order of query
@@ -339,6 +361,8 @@ def instance(
     None), or the fused dK/dV kernel's order (FUSED_SCHEDULES; "rotated" when None)."""
     if (family, path) not in _SOURCE_FILE:
         raise ValueError(f"no {path!r} kernel for family {family!r}")
+    if dtype == FP8_DTYPE:
+        return _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule)
     if dtype not in DTYPES:
         raise ValueError(f"no kernel for dtype {dtype!r}")
     key = (family, path)
@@ -421,19 +445,21 @@ def instance(
     return spec(expr, bm * tpr, smem, bm, bn)
 
 
-def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule) -> KernelSpec:
+def _tma_instance(
+    spec, name, family, elem, hd, tiles, features, o_via_tma, schedule, itemsize=2
+) -> KernelSpec:
     bm, bn, stages = tiles
     if o_via_tma and (family != "forward" or hd > TMA_STORE_MAX_HEAD_DIM):
         raise ValueError(f"no TMA store of O for {family} at head dim {hd}")
-    row_bytes = hd * 2
+    row_bytes = hd * itemsize
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
-    if family == "forward":  # Q per buffer; K and V per stage; the O staging tile; two barriers
-        # per buffer and four per stage (K and V: full and empty)
+    if family == "forward":  # Q per buffer; K and V per stage; the O staging tile (16-bit); two
+        # barriers per buffer and four per stage (K and V: full and empty)
         loop = FORWARD_SCHEDULES.index(schedule)
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {loop}, {features}>"
-        tiles_rows = bufs * bm + 2 * stages * bn + (bm if o_via_tma else 0)
-        smem = tiles_rows * row_bytes + 8 * (2 * bufs + 4 * stages) + 1024
+        smem = (bufs * bm + 2 * stages * bn) * row_bytes + (bm * hd * 2 if o_via_tma else 0)
+        smem += 8 * (2 * bufs + 4 * stages) + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
@@ -447,6 +473,41 @@ def _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, sche
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
     smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
+
+
+def _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule) -> KernelSpec:
+    """The FP8 forward ("forward", "tma") and its V^T pass ("transpose_v", "fp8")."""
+    hd = fp8_bucket(head_dim)
+    name = f"cuflash::{_TEMPLATE[(family, path)]}"
+    source = _SOURCE_FILE[(family, path)]
+    if (family, path) == ("transpose_v", "fp8"):
+        return KernelSpec(
+            family, path, FP8_DTYPE, hd, 0, source, f"{name}<{hd}>", TRANSPOSE_THREADS, 0,
+            TRANSPOSE_KEYS, 0,
+        )  # fmt: skip
+    if (family, path) != ("forward", "tma"):
+        raise ValueError(f"no {path!r} {family} kernel for dtype {FP8_DTYPE}")
+    if features not in FP8_FEATURE_SETS:
+        raise ValueError(f"the FP8 forward has no instance with features {features}")
+    tiles = tuple(tiles or _FP8_TILES[hd])
+    if tiles[1] % 128:
+        raise ValueError(f"the FP8 forward's key tiles are multiples of 128, got {tiles}")
+    schedule = schedule or forward_schedule(hd, tiles)
+    if schedule not in FORWARD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {FORWARD_SCHEDULES}, got {schedule!r}")
+
+    def spec(expr: str, threads: int, smem: int, rows_per_block: int, rows_per_step: int):
+        return KernelSpec(
+            family, path, FP8_DTYPE, hd, features, source, expr, threads, smem, rows_per_block,
+            rows_per_step, o_via_tma, schedule,
+        )  # fmt: skip
+
+    elem = _CPP_ELEM[FP8_DTYPE]
+    return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule, 1)
+
+
+def fp8_default_tiles(head_dim: int) -> tuple[int, int, int]:
+    return _FP8_TILES[fp8_bucket(head_dim)]
 
 
 def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
@@ -484,14 +545,15 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)
 
 
-def o_staging_fits(head_dim: int, tiles: tuple) -> bool:
+def o_staging_fits(head_dim: int, tiles: tuple, dtype: str = "float16") -> bool:
     """Whether the TMA forward with these tiles has room in shared memory for O's staging tile
     (kernels_cu/forward_sm90_tma.cu, O_VIA_TMA): head dims up to TMA_STORE_MAX_HEAD_DIM, and
     not with d = 128's long key tiles."""
-    bucket = head_dim_bucket(head_dim)
+    bucket = fp8_bucket(head_dim) if dtype == FP8_DTYPE else head_dim_bucket(head_dim)
     if bucket > TMA_STORE_MAX_HEAD_DIM:
         return False
-    return instance("forward", "tma", "float16", bucket, tiles, 0, True).smem_bytes <= SM90_MAX_SMEM
+    spec = instance("forward", "tma", dtype, bucket, tiles, 0, True)
+    return spec.smem_bytes <= SM90_MAX_SMEM
 
 
 def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
@@ -499,6 +561,12 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     the compile check must cover."""
     specs = {instance("preprocess", "rows", dt, 0) for dt in DTYPES} | kvcache_specs(arch)
     specs.add(work_list_instance())
+    for hd in FP8_BUCKETS if arch == "sm_90a" else ():
+        specs.add(instance("transpose_v", "fp8", FP8_DTYPE, hd))
+        tiles = fp8_default_tiles(hd)
+        for features in FP8_FEATURE_SETS:
+            for o_via_tma in (False, True) if o_staging_fits(hd, tiles, FP8_DTYPE) else (False,):
+                specs.add(instance("forward", "tma", FP8_DTYPE, hd, tiles, features, o_via_tma))
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
             for features in (f for f in FEATURE_SETS if not f & ~FUSED_FEATURES):
@@ -643,6 +711,7 @@ DECODE_FEATURE_SETS = tuple(range(8))  # LOCAL, SOFTCAP, ALIBI: no PACKED
 # Families whose instances have no FEATURES template argument (they apply no mask or modifier).
 FEATURELESS_FAMILIES = (
     "preprocess",
+    "transpose_v",
     "append",
     "gather",
     "pack_offsets",

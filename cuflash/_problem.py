@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from . import _mask
 
+FP8_DTYPE = "float8_e4m3fn"  # the FP8 forward's inputs (cuflash/_kernels.py names it too)
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -69,12 +71,24 @@ class Problem:
     def map_shape(self, tensor: str) -> tuple[int, int, int, int]:
         """(d, rows, heads, batch) of a q/k/v-shaped tensor as a TMA map covers it (_tma.py):
         packed, the whole packed tensor as one sequence (the kernels add each sequence's first
-        row to the map's row coordinate)."""
+        row to the map's row coordinate); "vt", the FP8 forward's V^T (keys_padded)."""
+        if tensor == "vt":  # the FP8 forward's V^T: (keys, d, heads, batch), keys innermost
+            return (self.keys_padded, self.head_dim, self.heads_kv, self.batch)
         rows, heads = self.extent(tensor)
         if self.packed:
             total = self.total_k if tensor in ("k", "v", "dk", "dv") else self.total_q
             return (self.head_dim, total, heads, 1)
         return (self.head_dim, rows, heads, self.batch)
+
+    @property
+    def out_dtype(self) -> str:
+        """O's dtype: q's, or bfloat16 for the FP8 forward's float8_e4m3fn inputs."""
+        return "bfloat16" if self.dtype == FP8_DTYPE else self.dtype
+
+    @property
+    def keys_padded(self) -> int:
+        """The FP8 forward's keys of V^T (kernels_cu/fp8_transpose.cu): seq_k rounded up to 16."""
+        return -(-self.seq_k // 16) * 16
 
     @property
     def q_shape(self) -> tuple[int, ...]:

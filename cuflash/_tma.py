@@ -1,10 +1,11 @@
 """Tensor maps for the Hopper TMA kernels (kernels_cu/tma.cuh), made with the driver's
 ``cuTensorMapEncodeTiled`` through ctypes.
 
-A q, k or v array is described to the TMA unit as a 4-D tensor of 16-bit elements, innermost
-first: (d, N, H, B) with byte strides (seq, head, batch). One copy moves a box of 64 columns (128
-bytes, the span of the 128-byte swizzle) by `rows` rows into shared memory; rows past N and
-columns past d are filled with zeros, which is what the kernels' padding needs.
+A q, k or v array is described to the TMA unit as a 4-D tensor of 16-bit (or, for the FP8
+forward, 8-bit) elements, innermost first: (d, N, H, B) with byte strides (seq, head, batch). One
+copy moves a box of 128 bytes a row (64 or 128 columns: the span of the 128-byte swizzle) by
+`rows` rows into shared memory; rows past N and columns past d are filled with zeros, which is
+what the kernels' padding needs.
 
 A map holds the array's address. Plans are built once per call signature and run on new arrays,
 so a map is made once (a template) and only its address changes per call. The address field is
@@ -18,9 +19,10 @@ import ctypes
 import threading
 
 MAP_BYTES = 128
-BOX_COLUMNS = 64  # 128 bytes of 16-bit elements: the 128-byte swizzle's row
+BOX_BYTES = 128  # a box row: the 128-byte swizzle's row
 
-_DATA_TYPE_UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: bits moved as they are (fp16 and bf16)
+# CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16 by element size: bits moved as they are (e4m3; fp16, bf16)
+_DATA_TYPES = {1: 0, 2: 1}
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
@@ -85,7 +87,8 @@ def tma_strides(
 
 
 class TileMap:
-    """The tensor map of one array (d, N, H, B) read in boxes of (64 columns, `rows` rows)."""
+    """The tensor map of one array (d, N, H, B) of `itemsize`-byte elements, read in boxes of
+    (128 bytes, `rows` rows)."""
 
     def __init__(
         self,
@@ -93,10 +96,12 @@ class TileMap:
         strides_bytes: tuple[int, int, int],
         rows: int,
         address: int,
+        itemsize: int = 2,
     ) -> None:
         self._dims = (ctypes.c_uint64 * 4)(*shape_dnhb)
         self._strides = (ctypes.c_uint64 * 3)(*strides_bytes)
-        self._box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, rows, 1, 1)
+        self._box = (ctypes.c_uint32 * 4)(BOX_BYTES // itemsize, rows, 1, 1)
+        self._data_type = _DATA_TYPES[itemsize]
         self._elem_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
         self.template = self.encode(address)
         self._split = self._find_address_field(address)
@@ -107,7 +112,7 @@ class TileMap:
         base = (ctypes.addressof(out) + 63) & ~63
         err = _encoder()(
             base,
-            _DATA_TYPE_UINT16,
+            self._data_type,
             4,
             address,
             self._dims,
@@ -169,4 +174,4 @@ def tile_map(
     byte_strides = tma_strides(shape_dnhb, (ss, sh, sb), itemsize)
     if byte_strides is None or address & 15:
         raise TensorMapError(f"the TMA unit cannot address strides {strides_bhs}")
-    return TileMap(shape_dnhb, byte_strides, rows, address)
+    return TileMap(shape_dnhb, byte_strides, rows, address, itemsize)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernels, _mask
+from . import _kernels, _mask, _tma
 from ._dlpack import c_contiguous_strides
 from ._interop import ArrayInfo, describe, probe
 from ._problem import Problem
@@ -241,7 +241,13 @@ def _check_qkv(
 ) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo]:
     layout = options["layout"]
     infos = [qi, ki, vi]
-    _check_dtype(qi)
+    if options.get("fp8"):
+        if qi.dtype != _kernels.FP8_DTYPE:
+            raise TypeError(
+                f"q must have dtype {_kernels.FP8_DTYPE} for attention_forward_fp8; got {qi.dtype}"
+            )
+    else:
+        _check_dtype(qi)
     _check_dtype(ki, qi.dtype)
     _check_dtype(vi, qi.dtype)
 
@@ -314,6 +320,58 @@ def _check_qkv(
         options["softcap"],
     )
     return problem, qi, ki, vi
+
+
+def check_fp8_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    descales: tuple[Any, Any, Any],
+    *,
+    causal: Any = False,
+    window: Any = None,
+    scale: Any = None,
+    layout: Any = "bshd",
+) -> tuple[Problem, ArrayInfo, ArrayInfo, ArrayInfo, tuple[ArrayInfo | None, ...]]:
+    """(problem, q, k, v, the three descale factors' infos or None) of attention_forward_fp8:
+    4-D e4m3 q, k, v, d a multiple of 16, strides the TMA unit can read (16-byte multiples; the
+    GPU plan checks the pointers per call), descale factors float32 (B, Hkv). CPU arrays are held
+    to the same rules, so that a call behaves alike on both backends."""
+    names = ("q_descale", "k_descale", "v_descale")
+    named = [(q, "q"), (k, "k"), (v, "v")]
+    named += [(x, name) for x, name in zip(descales, names, strict=True) if x is not None]
+    infos = _describe_all(named)
+    options = _check_options(causal, window, None, layout)
+    problem, qi, ki, vi = _check_qkv(*infos[:3], scale, {**options, "fp8": True})
+    if problem.two_d:
+        raise ValueError(f"attention_forward_fp8 takes 4-D q, k, v; got q shape {qi.shape}")
+    if problem.head_dim % 16:
+        raise ValueError(
+            f"attention_forward_fp8 needs a head dim that is a multiple of 16; got {problem.head_dim}"
+        )
+    for info in (qi, ki, vi):
+        rows, heads = problem.extent(info.name)
+        shape = (problem.head_dim, rows, heads, problem.batch)
+        sb, sh, ss = problem.bhs_strides(info.strides)
+        if _tma.tma_strides(shape, (ss, sh, sb), 1) is None:
+            raise ValueError(
+                f"{info.name}'s strides {info.strides} must be multiples of 16 elements (bytes) "
+                f"for attention_forward_fp8; make a contiguous copy"
+            )
+    rest = iter(infos[3:])
+    out = []
+    for x, name in zip(descales, names, strict=True):
+        if x is None:
+            out.append(None)
+            continue
+        info = next(rest)
+        if info.dtype != "float32":
+            raise TypeError(f"{name} must have dtype float32; got {info.dtype}")
+        expected = (problem.batch, problem.heads_kv)
+        if info.shape != expected:
+            raise ValueError(f"{name} must have shape (B, Hkv) = {expected}; got {info.shape}")
+        out.append(info)
+    return problem, qi, ki, vi, tuple(out)
 
 
 def check_backward(

@@ -93,6 +93,71 @@ def attention_forward(
     return plan(*(info.ptr for info in (qi, ki, vi, alibi) if info is not None))
 
 
+def attention_forward_fp8(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    q_descale: Array | None = None,
+    k_descale: Array | None = None,
+    v_descale: Array | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    layout: str = "bshd",
+) -> tuple[Array, Array]:
+    """The forward on float8_e4m3fn inputs (FlashAttention-3's FP8 forward), on sm_90 GPUs.
+
+    CPU arrays (torch CPU, NumPy with ml_dtypes' float8_e4m3fn) run the NumPy backend: the
+    float64 forward of the dequantised inputs, O rounded to bfloat16 (P is not rounded there).
+
+    Computes attention of the dequantised inputs, ``q_descale * q`` (and k, v likewise): the
+    scores ``S = scale * q_descale * k_descale * (q . k)`` on the tensor cores from the e4m3
+    values, P rounded to e4m3 for ``P V`` (FlashAttention-3's choice: about 2^-4 relative per
+    probability), accumulation in float32, then ``O = v_descale * P V / rowsum(P)``.
+
+    Args:
+        q, k, v: float8_e4m3fn arrays (PyTorch's ``torch.float8_e4m3fn``), 4-D as in
+            :func:`attention_forward`; d a multiple of 16 up to 256; strides multiples of 16
+            elements and (on the GPU) 16-byte aligned data (contiguous arrays are).
+        q_descale, k_descale, v_descale: float32 ``(B, Hkv)`` arrays of the same library and
+            device: the factor each (batch, key/value head) of q (its query heads), k and v is
+            multiplied by; None stands for 1.
+        causal, window, scale, layout: as in :func:`attention_forward` (no softcap or ALiBi).
+
+    Returns:
+        ``(o, lse)``: o bfloat16, shaped like q; lse float32 ``(B, Hq, Nq)``, over the dequantised
+        scores.
+
+    Raises:
+        TypeError: q, k or v is not float8_e4m3fn, a descale factor is not float32, or an option
+            has the wrong type (as in :func:`attention_forward`).
+        ValueError: q is 2-D, d is not a multiple of 16 (or above 256), strides or data pointers
+            are not 16-byte multiples, a descale factor is not (B, Hkv), or the GPU is not
+            sm_90; and the shape errors of :func:`attention_forward`.
+    """
+    descales = (q_descale, k_descale, v_descale)
+    given = tuple(x for x in descales if x is not None)
+    kind = "forward_fp8:" + "".join("0" if x is None else "1" for x in descales)
+    arrays = (q, k, v, *given)
+    key = _plans.signature(kind, arrays, causal, window, None, scale, layout)
+    plan = _plans.get(key)
+    if plan is not None:  # this signature was validated before
+        return plan.call_arrays(arrays, tuple(x is not None for x in descales))
+    problem, qi, ki, vi, infos = _validate.check_fp8_forward(
+        q, k, v, descales, causal=causal, window=window, scale=scale, layout=layout
+    )
+    if problem.device[0] == "cpu":
+        from . import _cpu
+
+        return _cpu.forward_fp8(problem, qi, ki, vi, infos)
+    from . import _cuda
+
+    plan = _cuda.Fp8ForwardPlan(problem, qi, ki, vi, infos, poison=poison_outputs())
+    _plans.put(key, plan)
+    return plan(qi.ptr, ki.ptr, vi.ptr, tuple(0 if i is None else i.ptr for i in infos))
+
+
 def attention(
     q: Array,
     k: Array,

@@ -53,6 +53,51 @@ def round_to(x: Any, dtype: str, xp: Any = np) -> Any:
     return xp.where(xp.isnan(x), xp.nan, out)
 
 
+def round_e4m3(x: Any, xp: Any = np) -> Any:
+    """Values rounded to float8_e4m3fn (round to nearest even; 3 mantissa bits, subnormals below
+    2^-6 in steps of 2^-9, saturated at +-448 as the kernels' satfinite conversion does; NaN
+    stays NaN), returned as float64."""
+    x = xp.asarray(x, dtype=xp.float64)
+    mag = xp.abs(x)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exponent = xp.floor(xp.log2(xp.where(mag > 0, mag, 1.0)))
+    step = xp.exp2(xp.maximum(exponent, -6.0) - 3.0)
+    out = xp.minimum(xp.rint(mag / step) * step, 448.0) * xp.sign(x)
+    return xp.where(xp.isnan(x), xp.nan, out)
+
+
+def naive_forward_fp8(
+    q: Any,
+    k: Any,
+    v: Any,
+    descales: tuple[Any, Any, Any],
+    *,
+    causal: bool,
+    scale: float,
+    window: Any = None,
+    xp: Any = np,
+) -> tuple[Any, Any]:
+    """The FP8 forward computed naively (B, H, N, d inputs holding e4m3 values, descale factors
+    (B, Hkv)): scores in float32 from the exact products, times scale and q's and k's factors,
+    unnormalised probabilities exp(S - max) rounded to e4m3, P V in float32, times v's factor
+    over the float32 row sums, rounded to bfloat16. Returns (o, lse) as float64."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    dq, dk, dv = (xp.repeat(xp.asarray(x, dtype=xp.float32), group, axis=1) for x in descales)
+    k, v = _expand_heads(k, hq), _expand_heads(v, hq)
+    s = q.astype(xp.float32) @ k.transpose(0, 1, 3, 2).astype(xp.float32)
+    s = s * (xp.float32(scale) * dq * dk)[:, :, None, None]
+    s = xp.where(_mask(q.shape[2], k.shape[2], causal, window, xp), s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
+    m_safe = xp.where(xp.isneginf(m), 0, m)
+    e = xp.exp(s - m_safe)
+    l_ = e.sum(axis=-1, keepdims=True)
+    o = round_e4m3(e, xp).astype(xp.float32) @ v.astype(xp.float32)
+    o = xp.where(l_ > 0, o * dv[:, :, None, None] / xp.where(l_ > 0, l_, 1), 0)
+    lse = xp.where(l_[..., 0] > 0, (m_safe + xp.log(xp.where(l_ > 0, l_, 1)))[..., 0], -xp.inf)
+    return round_to(o, "bfloat16", xp), lse.astype(xp.float64)
+
+
 def _matmul(a: Any, b: Any, dtype: str, xp: Any) -> Any:
     """a @ b as a tensor core computes it for `dtype` operands: exact products, float32
     accumulation (float64 for float64), result rounded to the dtype."""
