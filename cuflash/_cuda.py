@@ -163,7 +163,19 @@ def _target(device: int) -> tuple[str, int]:
     return _compile.device_arch(device), _compile.sm_count(device)
 
 
-class ForwardPlan:
+class _Plan:
+    """What every plan holds: its problem and device, the allocator of its outputs, the stream
+    getter of its library, and whether the problem has any work."""
+
+    def __init__(self, p: Problem, library: str, poison: bool) -> None:
+        self.p = p
+        self.device = p.device[1]
+        self.alloc = CudaAllocator(library, self.device, poison)
+        self.stream = stream_getter(library)
+        self.work = p.has_work
+
+
+class ForwardPlan(_Plan):
     """attention_forward for one call signature (shapes, strides, dtype, device, options)."""
 
     def __init__(
@@ -176,13 +188,9 @@ class ForwardPlan:
         poison: bool = False,
         alibi: ArrayInfo | None = None,
     ) -> None:
-        self.p = p
-        self.device = p.device[1]
+        super().__init__(p, qi.library, poison)
         self.library = qi.library
-        self.alloc = CudaAllocator(qi.library, self.device, poison)
-        self.stream = stream_getter(qi.library)
         self.shapes = (p.q_shape, p.dtype, p.lse_shape, p.lse_dtype)
-        self.work = p.has_work
         # torch tensors take the shortest path (the host time of small calls matters)
         # packed calls' work lists (an int32 workspace; cuflash/_dispatch.py, work_list_bytes)
         self.work_list_words = _dispatch.work_list_bytes(p, "forward") // 4
@@ -261,7 +269,7 @@ class ForwardPlan:
 FP8_FORWARD_TENSORS = (*FORWARD_TENSORS, *_params.DESCALES, "vt")
 
 
-class Fp8ForwardPlan:
+class Fp8ForwardPlan(_Plan):
     """The FP8 forward for one call signature: V^T (kernels_cu/fp8_transpose.cu) into a buffer of
     the call, then the TMA forward on e4m3 tiles; O in bfloat16, lse in float32. q, k and v must
     be TMA-readable (16-byte aligned, d a multiple of 16; the caller checks)."""
@@ -276,11 +284,7 @@ class Fp8ForwardPlan:
         choice: _dispatch.KernelChoice = _dispatch.DEFAULT,
         poison: bool = False,
     ) -> None:
-        self.p = p
-        self.device = p.device[1]
-        self.alloc = CudaAllocator(qi.library, self.device, poison)
-        self.stream = stream_getter(qi.library)
-        self.work = p.has_work
+        super().__init__(p, qi.library, poison)
         self.vt_words = -(-p.batch * p.heads_kv * p.head_dim * p.keys_padded // 4)
         if not self.work:
             return
@@ -331,7 +335,7 @@ class Fp8ForwardPlan:
         return self.alloc.result(o), self.alloc.result(lse)
 
 
-class BackwardPlan:
+class BackwardPlan(_Plan):
     """attention_backward for one call signature: preprocess, dK/dV and dQ launches."""
 
     def __init__(
@@ -347,11 +351,7 @@ class BackwardPlan:
         poison: bool = False,
         alibi: ArrayInfo | None = None,
     ) -> None:
-        self.p = p
-        self.device = p.device[1]
-        self.alloc = CudaAllocator(qi.library, self.device, poison)
-        self.stream = stream_getter(qi.library)
-        self.work = p.has_work
+        super().__init__(p, qi.library, poison)
         if not self.work:
             return
         self.delta_dtype = "float64" if p.dtype in _kernels.EXACT_DTYPES else "float32"
