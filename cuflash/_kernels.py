@@ -159,8 +159,11 @@ _TMA_TILES = {
 # The FP8 forward (the TMA forward with e4m3 elements): its head-dim buckets (the tiles' rows are
 # 128-byte swizzle rows: d <= 128 and d <= 256, zero-padded), (BM, BN, STAGES) per bucket (V^T's
 # tiles hold 128-key blocks), and its feature sets (masks only: no score modifier, not packed).
+# d = 128: 256-key tiles with the serial loop ran 1.05-1.13x (128, 128) with turns (H100,
+# docs/perf/NOTES.md v27; 256 keys with turns spill 236 B); d = 256: (128, 128) serial (turns
+# spilled 28 B, the pipelined loop without turns 16 B; 256 keys need 296 KB of shared memory).
 FP8_BUCKETS = (128, 256)
-_FP8_TILES = {128: (128, 128, 2), 256: (128, 128, 2)}
+_FP8_TILES = {128: (128, 256, 2), 256: (128, 128, 2)}
 FP8_FEATURE_SETS = (0, FEATURE_LOCAL)
 TRANSPOSE_KEYS, TRANSPOSE_THREADS = 64, 256  # kernels_cu/fp8_transpose.cu
 
@@ -503,7 +506,10 @@ def _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule) 
         )  # fmt: skip
 
     elem = _CPP_ELEM[FP8_DTYPE]
-    return _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule, 1)
+    made = _tma_instance(spec, name, family, elem, hd, tiles, features, o_via_tma, schedule, 1)
+    if made.smem_bytes > SM90_MAX_SMEM:
+        raise ValueError(f"FP8 tiles {tiles} at d = {hd} need {made.smem_bytes} B of shared memory")
+    return made
 
 
 def fp8_default_tiles(head_dim: int) -> tuple[int, int, int]:

@@ -122,6 +122,8 @@ def test_fp8_instances_and_launches() -> None:
         _kernels.instance("forward", "tma", fp8, 128, None, _kernels.FEATURE_SOFTCAP)
     with pytest.raises(ValueError, match="multiples of 128"):
         _kernels.instance("forward", "tma", fp8, 128, (128, 64, 2))
+    with pytest.raises(ValueError, match="shared memory"):
+        _kernels.instance("forward", "tma", fp8, 256, (128, 256, 2))
     p = Problem(2, 4, 2, 1000, 777, 128, fp8, "bshd", False, (None, 0), 0.1, ("cuda", 0), "torch")
     assert p.out_dtype == "bfloat16" and p.keys_padded == 784
     assert p.map_shape("vt") == (784, 128, 2, 2)
