@@ -14,7 +14,9 @@ aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, m
 --cases kvcache runs attention_with_kvcache (every dtype: the decoding kernels for fp16 / bf16 with
 one split and several, the packed path for the exact dtypes and for chunked prefill; contiguous
 and paged caches, appended rows, masks and modifiers, unaligned views; lengths beyond the
-capacity and page indices outside the cache, on trust); --cases all runs every kind.
+capacity and page indices outside the cache, on trust); --cases fp8 runs attention_forward_fp8
+(sm_90: head dims 16, 128, 144 and 256, causal, windows, grouped heads, descale factors or none,
+a partial last key tile and V^T's padding, a NaN value); --cases all runs every kind.
 """
 
 from __future__ import annotations
@@ -194,6 +196,38 @@ def run_kvcache(
         raise SystemExit(f"non-finite o for the KV cache, {dtype} d={d} page={page} nq={nq}")
 
 
+def run_fp8(d: int, causal: bool, nq: int, nk: int, window=None, kv_heads: int = 2,
+            descales: bool = True, nan_value: bool = False) -> None:
+    """One attention_forward_fp8 call (4 query heads), checked against the CPU backend."""
+    gen = torch.Generator(device="cuda").manual_seed(d + nq + nk)
+    q, k, v = (
+        (torch.randn(2, n, h, d, generator=gen, device="cuda") * 2).to(torch.float8_e4m3fn)
+        for n, h in ((nq, 4), (nk, kv_heads), (nk, kv_heads))
+    )
+    if nan_value:
+        v.view(torch.uint8)[0, nk // 2, 0, 0] = 0x7F
+    factors = {}
+    if descales:
+        names = ("q_descale", "k_descale", "v_descale")
+        factors = {n: torch.rand(2, kv_heads, generator=gen, device="cuda") + 0.5 for n in names}
+    o, lse = cuflash.attention_forward_fp8(q, k, v, causal=causal, window=window, **factors)
+    cpu = {n: f.cpu() for n, f in factors.items()}
+    o_ref, lse_ref = cuflash.attention_forward_fp8(
+        q.cpu(), k.cpu(), v.cpu(), causal=causal, window=window, **cpu
+    )
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(finite, torch.isfinite(lse.cpu())), "fp8: rows that see no key differ"
+    # a sanity bound, not the accuracy policy (tests/gpu/test_fp8.py): FP8 wgmma accumulates
+    # with about 14 significant bits (DeepSeek-V3's report; docs/perf/NOTES.md v27), 2.9e-3 at
+    # d = 16 against a CPU lse of about 15
+    err = (lse.cpu() - lse_ref)[finite].abs().max().item() if finite.any() else 0.0
+    bound = 2**-10 * (1 + lse_ref[finite].abs().max().item()) if finite.any() else 0.0
+    assert err <= bound, f"fp8 d={d}: lse off by {err} (bound {bound})"
+    scale = o_ref.float().abs().nan_to_num(0).max().item() + 1e-6
+    close = (o.cpu().float() - o_ref.float()).abs() <= 0.1 * scale
+    assert bool((close | o_ref.float().isnan()).all()), f"fp8 d={d}: O far from the reference"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--all-buckets", action="store_true")
@@ -210,7 +244,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--cases",
-        choices=["dense", "varlen", "kvcache", "all"],
+        choices=["dense", "varlen", "kvcache", "fp8", "all"],
         default="dense",
         help="dense calls (the default), packed variable-length calls, KV-cache calls, or all",
     )
@@ -271,6 +305,14 @@ def main() -> int:
                 for kind in KV_MALFORMED if page is not None else KV_MALFORMED[:1]:
                     run_kvcache(dtype, d, page, malformed=kind)
                 count += 6 + (len(KV_MALFORMED) if page is not None else 1)
+    fp8 = args.cases in ("fp8", "all") and torch.cuda.get_device_capability() == (9, 0)
+    for d in (16, 128, 144, 256) if fp8 else ():
+        for causal in (False, True):
+            run_fp8(d, causal, 130, 250)
+        run_fp8(d, True, 300, 77, kv_heads=1, descales=False)  # rows that see no key
+        run_fp8(d, False, 64, 300, window=(20, 5), kv_heads=4)
+        run_fp8(d, True, 256, 256, nan_value=True)
+        count += 5
     print(f"sanitize cases: {count} forward+backward runs completed")
     return 0
 
