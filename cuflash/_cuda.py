@@ -163,6 +163,18 @@ def _target(device: int) -> tuple[str, int]:
     return _compile.device_arch(device), _compile.sm_count(device)
 
 
+def _forward_strides(p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo) -> _dispatch.Strides:
+    """The (batch, head, row) strides of a forward's q, k and v, and of the C-contiguous o and
+    lse it allocates."""
+    return {
+        "q": p.bhs_strides(qi.strides),
+        "k": p.bhs_strides(ki.strides),
+        "v": p.bhs_strides(vi.strides),
+        "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
+        "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
+    }
+
+
 class _Plan:
     """What every plan holds: its problem and device, the allocator of its outputs, the stream
     getter of its library, and whether the problem has any work."""
@@ -207,13 +219,7 @@ class ForwardPlan(_Plan):
             )
         if not self.work:
             return
-        strides = {
-            "q": p.bhs_strides(qi.strides),
-            "k": p.bhs_strides(ki.strides),
-            "v": p.bhs_strides(vi.strides),
-            "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
-            "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
-        }
+        strides = _forward_strides(p, qi, ki, vi)
         tensors = _with_extras(p, FORWARD_TENSORS, strides, alibi)
         arch, sms = _target(self.device)
         self.runs = _ready(
@@ -289,14 +295,8 @@ class Fp8ForwardPlan(_Plan):
         if not self.work:
             return
         kp, d = p.keys_padded, p.head_dim
-        strides = {
-            "q": p.bhs_strides(qi.strides),
-            "k": p.bhs_strides(ki.strides),
-            "v": p.bhs_strides(vi.strides),
-            "o": p.bhs_strides(c_contiguous_strides(p.q_shape)),
-            "lse": p.lse_strides(c_contiguous_strides(p.lse_shape)),
-            "vt": (p.heads_kv * d * kp, d * kp, kp),
-        }
+        strides = _forward_strides(p, qi, ki, vi)
+        strides["vt"] = (p.heads_kv * d * kp, d * kp, kp)
         for name, info in zip(_params.DESCALES, descales, strict=True):
             strides[name] = (0, 0, 0) if info is None else (*info.strides, 0)
         arch, sms = _target(self.device)

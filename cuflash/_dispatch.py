@@ -135,7 +135,9 @@ class Fp8Launches:
     forward: Launch
 
 
-def forward_fp8(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT) -> Fp8Launches:
+def forward_fp8(
+    p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAULT
+) -> Fp8Launches:
     """The FP8 forward's launches (sm_90a only; q, k, v TMA-readable, d a multiple of 16: the
     caller checked). `strides` holds q, k, v, o and vt (V^T, C-contiguous (B, Hkv, d,
     keys_padded))."""

@@ -347,7 +347,8 @@ def check_fp8_forward(
         raise ValueError(f"attention_forward_fp8 takes 4-D q, k, v; got q shape {qi.shape}")
     if problem.head_dim % 16:
         raise ValueError(
-            f"attention_forward_fp8 needs a head dim that is a multiple of 16; got {problem.head_dim}"
+            "attention_forward_fp8 needs a head dim that is a multiple of 16; "
+            f"got {problem.head_dim}"
         )
     for info in (qi, ki, vi):
         rows, heads = problem.extent(info.name)
