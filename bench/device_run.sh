@@ -30,12 +30,14 @@
 #               chunked prefill against the forward, $KVCACHE_ARGS
 #     ring      bench/bench_ring.py under torchrun, one process per GPU (weak scaling of ring
 #               attention; the multi-GPU kinds), $RING_ARGS
+#     fp8       bench/probe_fp8_forward.py: the FP8 forward against the bf16 forward and SDPA
+#               cuDNN, and its error against the reference, $FP8_ARGS (default: causal rows too)
 #   TESTS narrows the tests mode to some paths (default: tests)
 #   PRECOMPILE=0 skips compiling every instance first (kernels then compile on first use); the
 #   precompile lists the instances whose runtime binary uses local memory (exit 3 if any);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances;
 #   "--family forward decode decode_combine append gather pack_offsets": what the KV cache runs)
-#   SANITIZE_CASES=dense|varlen|kvcache|all (default all): which calls the sanitizers run;
+#   SANITIZE_CASES=dense|varlen|kvcache|fp8|all (default all): which calls the sanitizers run;
 #   SANITIZE_HEAD_DIMS narrows the dense calls to these head dims (every tool on each)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
@@ -160,6 +162,14 @@ if has ring; then
   cat "$OUT/ring/ring_table.txt" >> "$SUMMARY" 2>/dev/null
 fi
 
+if has fp8; then
+  timeout ${FP8_TIMEOUT:-300} $PY bench/probe_fp8_forward.py ${FP8_ARGS:---causal} --out "$OUT" \
+    > "$LOGS/fp8.log" 2>"$LOGS/fp8.err"
+  say "probe_fp8_forward exit $?"
+  cat "$LOGS/fp8.log" >> "$SUMMARY"
+  tail -5 "$LOGS/fp8.err" >> "$SUMMARY"
+fi
+
 if has bench; then
   timeout ${BENCH_TIMEOUT:-300} $PY bench/bench_attention.py ${BENCH_ARGS:---quick} --out "$OUT" \
     > "$LOGS/bench.log" 2>"$LOGS/bench.err"
@@ -205,6 +215,11 @@ sanitize_all() {
   if [[ $cases == all || $cases == varlen ]]; then
     sanitize memcheck_varlen memcheck --cases varlen --head-dim 40 128 200 &
     sanitize racecheck_varlen racecheck --cases varlen --head-dim 40 128
+  fi
+  # the FP8 forward (sm_90): its head dims, masks, descale factors and V^T pass
+  if [[ $cases == all || $cases == fp8 ]]; then
+    sanitize memcheck_fp8 memcheck --cases fp8 &
+    sanitize racecheck_fp8 racecheck --cases fp8
   fi
   wait
 }
