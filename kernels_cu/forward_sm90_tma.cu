@@ -39,6 +39,11 @@
 // negative, skipped), so that every pair of decode_paired_work stays within one head. Rows
 // before 0 are read as zeros by the TMA unit and never written.
 //
+// Elements (forward_sm90.cuh, ForwardFormat): fp16 / bf16, or e4m3 for the FP8 forward, whose
+// tiles have rows of 128 elements (one box per 128 bytes either way), whose V tiles are V^T's
+// (the host's pass, fp8_transpose.cu: 8-bit wgmma reads B only K-major), whose scores and O are
+// scaled by the descale factors of the item's (batch, key/value head), and whose O is bf16.
+//
 // Packed sequences (PACKED): the maps cover the packed tensors, and a slot's rows are its
 // sequence's (Seq, params.cuh): slots count from the sequence's first row, or end at its last
 // where the host pairs the work (causal); the work list holds only the slots with its rows (a
@@ -424,8 +429,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
     }
     if (!staged)
-      store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p), p.head_dim,
-                                             blk.acc_o[0], 1.f, lane);
+      store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
+                                                         p.head_dim, blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
