@@ -142,3 +142,15 @@ def test_fp8_instances_and_launches() -> None:
     assert launches.transpose.grid == 13 * 2 * 2  # 64-key blocks of 784 keys, per (b, kv head)
     with pytest.raises(ValueError, match="sm_90"):
         _dispatch.forward_fp8(p, strides, "sm_89", 132)
+
+
+def test_fp8_empty_calls() -> None:
+    """No keys: o = 0, lse = -inf; no query rows: empty outputs (both backends take the same
+    early path of their plan; here the CPU's)."""
+    q, k, v = _inputs((1, 5, 2, 32), (1, 0, 2, 32))
+    o, lse = cuflash.attention_forward_fp8(q, k, v)
+    assert o.shape == q.shape and o.dtype == torch.bfloat16 and not o.float().abs().max()
+    assert torch.isneginf(lse).all() and lse.shape == (1, 2, 5)
+    q, k, v = _inputs((1, 0, 2, 32), (1, 7, 2, 32))
+    o, lse = cuflash.attention_forward_fp8(q, k, v, causal=True)
+    assert o.shape == (1, 0, 2, 32) and lse.shape == (1, 2, 0)
