@@ -81,6 +81,7 @@ class Run:
                     _kernels.ITEMSIZE[p.out_dtype if name == "o" else p.dtype],
                     rows,
                     template_address,
+                    _kernels.map_row_bytes(p.dtype, p.head_dim, name),
                 ),
             )
             for name, rows in launch.maps

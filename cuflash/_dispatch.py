@@ -143,7 +143,7 @@ def forward_fp8(
     keys_padded))."""
     if arch != "sm_90a":
         raise ValueError(f"the FP8 forward runs on sm_90 GPUs (H100, H200); this one is {arch}")
-    tiles = choice.tiles_for("forward", "tma") or _kernels.fp8_default_tiles(p.head_dim)
+    tiles = choice.tiles_for("forward", "tma") or _kernels.fp8_table(p.head_dim, features(p))[0]
     bucket = _kernels.fp8_bucket(p.head_dim)
     o_via_tma = (
         choice.o_store == "tma"

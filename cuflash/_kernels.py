@@ -156,16 +156,33 @@ _TMA_TILES = {
     "dq": {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)},
     "dkdv": {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)},
 }
-# The FP8 forward (the TMA forward with e4m3 elements): its head-dim buckets (the tiles' rows are
-# 128-byte swizzle rows: d <= 128 and d <= 256, zero-padded), (BM, BN, STAGES) per bucket (V^T's
-# tiles hold 128-key blocks), and its feature sets (masks only: no score modifier, not packed).
-# d = 128: 256-key tiles with the serial loop ran 1.05-1.13x (128, 128) with turns (H100,
-# docs/perf/NOTES.md v27; 256 keys with turns spill 236 B); d = 256: (128, 128) serial (turns
-# spilled 28 B, the pipelined loop without turns 16 B; 256 keys need 296 KB of shared memory).
-FP8_BUCKETS = (128, 256)
-_FP8_TILES = {128: (128, 256, 2), 256: (128, 128, 2)}
+# The FP8 forward (the TMA forward with e4m3 elements): its head-dim buckets (Q and K rows of 64
+# bytes with the 64-byte swizzle at d <= 64, of 128-byte swizzle rows at d <= 128 and d <= 256;
+# zero-padded), (BM, BN, STAGES) per bucket (V^T's tiles hold 128-key blocks), and its feature
+# sets (masks only: no score modifier, not packed).
+# Tiles and loop per bucket (measured, docs/perf/NOTES.md v27, H100): d = 64: three consumers
+# (192, 128) with turns, 1.07-1.12x (128, 256) serial, (128, 256) turns 0.96-0.99x, (128, 128)
+# turns 0.86-0.91x; with a window (LOCAL) (192, 128) spilled 4 B and (128, 256) serial serves.
+# d = 128: 256-key tiles with the serial loop ran 1.15-1.17x (128, 128) with turns (256 keys with
+# turns spill 236 B); d = 256: (128, 128) serial (turns spilled 28 B, the pipelined loop without
+# turns 16 B; 256 keys need 296 KB of shared memory).
+FP8_BUCKETS = (64, 128, 256)
+_FP8_TABLE = {
+    64: ((192, 128, 2), "turns"),
+    128: ((128, 256, 2), "serial"),
+    256: ((128, 128, 2), "serial"),
+}
+_FP8_LOCAL_TABLE = {64: ((128, 256, 2), "serial")}  # with a window, where it differs
 FP8_FEATURE_SETS = (0, FEATURE_LOCAL)
 TRANSPOSE_KEYS, TRANSPOSE_THREADS = 64, 256  # kernels_cu/fp8_transpose.cu
+
+
+def map_row_bytes(dtype: str, head_dim: int, tensor: str) -> int:
+    """The row of a TMA forward's box of `tensor` in bytes: 128 (the 128-byte swizzle), or 64
+    for the FP8 forward's q and k at d <= 64 (the 64-byte swizzle; forward_sm90.cuh, ROW_BYTES)."""
+    if dtype == FP8_DTYPE and tensor in ("q", "k") and fp8_bucket(head_dim) == 64:
+        return 64
+    return 128
 
 
 def fp8_bucket(head_dim: int) -> int:
@@ -492,10 +509,12 @@ def _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule) 
         raise ValueError(f"no {path!r} {family} kernel for dtype {FP8_DTYPE}")
     if features not in FP8_FEATURE_SETS:
         raise ValueError(f"the FP8 forward has no instance with features {features}")
-    tiles = tuple(tiles or _FP8_TILES[hd])
+    table_tiles, table_schedule = fp8_table(hd, features)
+    tiles = tuple(tiles or table_tiles)
     if tiles[1] % 128:
         raise ValueError(f"the FP8 forward's key tiles are multiples of 128, got {tiles}")
-    schedule = schedule or forward_schedule(hd, tiles)
+    if schedule is None:  # the table's loop for its tiles, the register model's for others
+        schedule = table_schedule if tiles == table_tiles else forward_schedule(hd, tiles)
     if schedule not in FORWARD_SCHEDULES:
         raise ValueError(f"schedule must be one of {FORWARD_SCHEDULES}, got {schedule!r}")
 
@@ -512,8 +531,12 @@ def _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule) 
     return made
 
 
-def fp8_default_tiles(head_dim: int) -> tuple[int, int, int]:
-    return _FP8_TILES[fp8_bucket(head_dim)]
+def fp8_table(head_dim: int, features: int = 0) -> tuple[tuple[int, int, int], str]:
+    """The FP8 forward's tiles and loop for this head dim and these features."""
+    bucket = fp8_bucket(head_dim)
+    if features & FEATURE_LOCAL and bucket in _FP8_LOCAL_TABLE:
+        return _FP8_LOCAL_TABLE[bucket]
+    return _FP8_TABLE[bucket]
 
 
 def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
@@ -569,8 +592,8 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
     specs.add(work_list_instance())
     for hd in FP8_BUCKETS if arch == "sm_90a" else ():
         specs.add(instance("transpose_v", "fp8", FP8_DTYPE, hd))
-        tiles = fp8_default_tiles(hd)
         for features in FP8_FEATURE_SETS:
+            tiles = fp8_table(hd, features)[0]
             for o_via_tma in (False, True) if o_staging_fits(hd, tiles, FP8_DTYPE) else (False,):
                 specs.add(instance("forward", "tma", FP8_DTYPE, hd, tiles, features, o_via_tma))
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():

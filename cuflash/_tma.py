@@ -19,12 +19,12 @@ import ctypes
 import threading
 
 MAP_BYTES = 128
-BOX_BYTES = 128  # a box row: the 128-byte swizzle's row
+BOX_BYTES = 128  # a box row: the 128-byte swizzle's row (64 bytes: the 64-byte swizzle's)
 
 # CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16 by element size: bits moved as they are (e4m3; fp16, bf16)
 _DATA_TYPES = {1: 0, 2: 1}
 _INTERLEAVE_NONE = 0
-_SWIZZLE_128B = 3
+_SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B, _64B by box row bytes
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range elements read as zeros
 
@@ -88,7 +88,7 @@ def tma_strides(
 
 class TileMap:
     """The tensor map of one array (d, N, H, B) of `itemsize`-byte elements, read in boxes of
-    (128 bytes, `rows` rows)."""
+    (`row_bytes` bytes: 128, or 64 with the 64-byte swizzle; `rows` rows)."""
 
     def __init__(
         self,
@@ -97,11 +97,13 @@ class TileMap:
         rows: int,
         address: int,
         itemsize: int = 2,
+        row_bytes: int = BOX_BYTES,
     ) -> None:
         self._dims = (ctypes.c_uint64 * 4)(*shape_dnhb)
         self._strides = (ctypes.c_uint64 * 3)(*strides_bytes)
-        self._box = (ctypes.c_uint32 * 4)(BOX_BYTES // itemsize, rows, 1, 1)
+        self._box = (ctypes.c_uint32 * 4)(row_bytes // itemsize, rows, 1, 1)
         self._data_type = _DATA_TYPES[itemsize]
+        self._swizzle = _SWIZZLE[row_bytes]
         self._elem_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
         self.template = self.encode(address)
         self._split = self._find_address_field(address)
@@ -120,7 +122,7 @@ class TileMap:
             self._box,
             self._elem_strides,
             _INTERLEAVE_NONE,
-            _SWIZZLE_128B,
+            self._swizzle,
             _L2_PROMOTION_256B,
             _OOB_FILL_ZEROS,
         )
@@ -167,11 +169,13 @@ def tile_map(
     itemsize: int,
     rows: int,
     address: int,
+    row_bytes: int = BOX_BYTES,
 ) -> TileMap:
     """The map of a q/k/v-shaped tensor (d, N, H, B) with element strides (batch, head, seq), read
-    or written in boxes of `rows` rows; TensorMapError where the TMA unit cannot address it."""
+    or written in boxes of `rows` rows of `row_bytes` bytes; TensorMapError where the TMA unit
+    cannot address it."""
     sb, sh, ss = strides_bhs
     byte_strides = tma_strides(shape_dnhb, (ss, sh, sb), itemsize)
     if byte_strides is None or address & 15:
         raise TensorMapError(f"the TMA unit cannot address strides {strides_bhs}")
-    return TileMap(shape_dnhb, byte_strides, rows, address, itemsize)
+    return TileMap(shape_dnhb, byte_strides, rows, address, itemsize, row_bytes)

@@ -46,8 +46,12 @@ struct Sm90ForwardTraits {
   // k steps of the two products (32 bytes of every row each)
   static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
   static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
+  // Q and K tiles are column blocks of 128-byte swizzled rows, or one block of 64-byte rows (the
+  // 64-byte swizzle) where a row has only 64 bytes (e4m3 at d = 64)
+  static constexpr int ROW_BYTES = HD * BYTES < 128 ? HD * BYTES : 128;
   static constexpr int PITCH = HD + 8;  // the cp.async kernel's staging tile (gemm.cuh layout)
-  static_assert(HD * BYTES % 128 == 0, "swizzled tiles are built from 128-byte column blocks");
+  static_assert((ROW_BYTES == 128 || ROW_BYTES == 64) && HD * BYTES % ROW_BYTES == 0,
+                "swizzled tiles are built from 128-byte (or one 64-byte) column blocks");
   static_assert(!Format::V_TRANSPOSED || BN % 128 == 0, "V^T tiles are built from 128-key blocks");
   static_assert(BM % 64 == 0 && BN % 16 == 0 && BN <= 256 && HD <= 256, "wgmma shapes");
 };
@@ -82,16 +86,18 @@ struct Sm90ForwardBlock {
   // (wgmma_wait) before the next step reads their registers.
 
   // S = Q K_j^T for this warpgroup's 64 rows, K_j in shared memory at k_tile: k step kk (k16, or
-  // k32 for 8-bit elements) reads 32 bytes of every row, in column block kk / 4.
+  // k32 for 8-bit elements) reads 32 bytes of every row, in column block kk / 4 (of 128-byte rows;
+  // 64-byte rows: one block, 8-row atoms of 512 bytes).
   __device__ __forceinline__ void issue_scores(const unsigned char* k_tile,
                                                float (&s)[1][Tr::NT_S][4]) const {
+    constexpr int RB = Tr::ROW_BYTES, STEPS = RB / 32;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_QK; ++kk) {
-      const int block = kk >> 2, within = (kk & 3) * 32;
+      const int block = kk / STEPS, within = (kk % STEPS) * 32;
       const unsigned long long dq =
-          smem_desc(sQ + block * (BM * 128) + wg * (64 * 128) + within, 16, 1024);
-      const unsigned long long dk = smem_desc(k_tile + block * (BN * 128) + within, 16, 1024);
+          smem_desc<RB>(sQ + block * (BM * RB) + wg * (64 * RB) + within, 16, 8 * RB);
+      const unsigned long long dk = smem_desc<RB>(k_tile + block * (BN * RB) + within, 16, 8 * RB);
       wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
     }
     wgmma_commit();

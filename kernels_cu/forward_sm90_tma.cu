@@ -112,10 +112,11 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr bool OVERLAP = SCHEDULE != SCHEDULE_SERIAL;
   static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
-  // One TMA box per 128-byte column block of a Q or K tile (BOX_COLS elements wide), and of V's
-  // (16-bit) or of V^T's, whose blocks hold 128 keys (8-bit: ForwardFormat); O's stores (16-bit)
-  // go in 64-column blocks.
-  static constexpr int BOX_COLS = 128 / Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES;
+  // One TMA box per column block of a Q or K tile (ROW_BYTES = 128 bytes, or 64 for e4m3 at
+  // d = 64; BOX_COLS elements wide), and of V's (16-bit) or of V^T's, whose blocks hold 128 keys
+  // (8-bit: ForwardFormat); O's stores (16-bit) go in 64-column blocks.
+  static constexpr int ROW_BYTES = Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::ROW_BYTES;
+  static constexpr int BOX_COLS = ROW_BYTES / Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES;
   static constexpr int COL_BLOCKS = HD / BOX_COLS, O_COL_BLOCKS = HD / 64;
   static constexpr bool V_TRANSPOSED = ForwardFormat<Elem>::V_TRANSPOSED;
   static constexpr int V_BLOCKS = V_TRANSPOSED ? BN / 128 : COL_BLOCKS;
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         }
 #pragma unroll
         for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-          tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * 128), map, &full[stage],
+          tma_load_4d(sT + stage * Tr::KV_BYTES + c * (BN * Tr::ROW_BYTES), map, &full[stage],
                       Tr::BOX_COLS * c, seq.k_coord(n0), kv_head, seq.map_batch());
       };
       // The loads in the order the consumers use them: pipelined (Tr::OVERLAP), K_0, then
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
-        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * 128), &maps.q, &bar.q_full[qb],
+        tma_load_4d(sQ + qb * Tr::Q_BYTES + c * (BM * Tr::ROW_BYTES), &maps.q, &bar.q_full[qb],
                     Tr::BOX_COLS * c, seq.q_coord(m0), bc.head, seq.map_batch());
       if constexpr (Tr::OVERLAP) {
         for (int it = first_k; it <= count; ++it) {

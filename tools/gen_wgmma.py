@@ -45,7 +45,7 @@ COMMENT = {
     " * B (16 x {n}, shared, MN-major: transposed on the way)",
 }
 # The e4m3 forms: wgmma_ss at the FP8 forward's key tiles, wgmma_rs at its head dims (N = d).
-SHAPES_8BIT = {"wgmma_ss": (128, 256), "wgmma_rs": (128, 256)}
+SHAPES_8BIT = {"wgmma_ss": (128, 256), "wgmma_rs": (64, 128, 256)}
 COMMENT_8BIT = {
     "wgmma_ss": "D (64 x {n}, fp32) (+)= A (64 x 32, shared, K-major)"
     " * B ({n} x 32, shared, K-major)^T, e4m3",
