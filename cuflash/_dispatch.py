@@ -105,14 +105,22 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     tiles = choice.tiles_for("forward", "tma") or _kernels.default_tiles(
         "forward", "tma", p.dtype, p.head_dim, p.seq_q, features(p)
     )
-    bucket = _kernels.head_dim_bucket(p.head_dim)
+    return Pair(_tma_forward_launch(p, strides, sm_count, choice, tiles), unaligned)
+
+
+def _tma_forward_launch(
+    p: Problem, strides: Strides, sm_count: int, choice: KernelChoice, tiles: tuple
+) -> Launch:
+    """The TMA forward's persistent launch with these tiles (16-bit, or e4m3: the FP8 forward,
+    whose V is read as V^T through the "vt" map)."""
+    bucket = _kernels.bucket_of(p.dtype, p.head_dim)
     # O through a staging tile and TMA stores where shared memory has room for the tile and d
     # fills its bucket (the TMA unit would store partial boxes otherwise: forward_sm90_tma.cu).
     o_via_tma = (
         choice.o_store == "tma"
-        and _kernels.o_staging_fits(bucket, tiles)
+        and _kernels.o_staging_fits(bucket, tiles, p.dtype)
         and p.head_dim == bucket
-        and _tma_readable(p, strides, ("o",))
+        and _tma_readable(replace(p, dtype=p.out_dtype), strides, ("o",))
     )
     spec = _kernels.instance(
         "forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma, choice.schedule
@@ -120,10 +128,10 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
     # Row blocks get costlier along the sequence under a right bound (causal): pair heavy with
     # light items, and put the partial block first, where it sees the fewest keys.
     slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)
-    maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), ("v", spec.rows_per_step))
+    v_map = ("vt", bucket) if p.dtype == _kernels.FP8_DTYPE else ("v", spec.rows_per_step)
+    maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), v_map)
     maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
-    aligned = _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
-    return Pair(aligned, unaligned)
+    return _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
 
 
 @dataclass(frozen=True)
@@ -144,20 +152,7 @@ def forward_fp8(
     if arch != "sm_90a":
         raise ValueError(f"the FP8 forward runs on sm_90 GPUs (H100, H200); this one is {arch}")
     tiles = choice.tiles_for("forward", "tma") or _kernels.fp8_table(p.head_dim, features(p))[0]
-    bucket = _kernels.fp8_bucket(p.head_dim)
-    o_via_tma = (
-        choice.o_store == "tma"
-        and _kernels.o_staging_fits(bucket, tiles, p.dtype)
-        and p.head_dim == bucket
-        and _tma_readable(replace(p, dtype=p.out_dtype), strides, ("o",))
-    )
-    spec = _kernels.instance(
-        "forward", "tma", p.dtype, p.head_dim, tiles, features(p), o_via_tma, choice.schedule
-    )
-    slots, row_shift = row_slots(p.seq_q, spec.rows_per_block, end_aligned=p.mask.bounded_right)
-    maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), ("vt", bucket))
-    maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
-    forward = _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
+    forward = _tma_forward_launch(p, strides, sm_count, choice, tiles)
     transpose = _kernels.instance("transpose_v", "fp8", p.dtype, p.head_dim)
     blocks = _ceil_div(p.keys_padded, transpose.rows_per_block)
     return Fp8Launches(Launch(transpose, blocks * p.heads_kv * p.batch, blocks), forward)

@@ -187,10 +187,13 @@ def map_row_bytes(dtype: str, head_dim: int, tensor: str) -> int:
 
 def fp8_bucket(head_dim: int) -> int:
     """The FP8 forward's template head dim for d (a multiple of 16 up to 256)."""
-    for bucket in FP8_BUCKETS:
-        if head_dim <= bucket:
-            return bucket
-    raise ValueError(f"head dim must be at most {FP8_BUCKETS[-1]}, got {head_dim}")
+    return _smallest_bucket(head_dim, FP8_BUCKETS)
+
+
+def bucket_of(dtype: str, head_dim: int) -> int:
+    """The template head dim of an instance for this dtype: the FP8 forward's buckets, or
+    HEAD_DIM_BUCKETS."""
+    return fp8_bucket(head_dim) if dtype == FP8_DTYPE else head_dim_bucket(head_dim)
 
 
 # The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN) (two
@@ -308,10 +311,14 @@ class KernelSpec:
 
 def head_dim_bucket(d: int) -> int:
     """Smallest template head dim >= d (d is padded with zeros inside the kernel)."""
-    for bucket in HEAD_DIM_BUCKETS:
+    return _smallest_bucket(d, HEAD_DIM_BUCKETS)
+
+
+def _smallest_bucket(d: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
         if d <= bucket:
             return bucket
-    raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
+    raise ValueError(f"head dim must be at most {buckets[-1]}, got {d}")
 
 
 def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) -> tuple[str, ...]:
@@ -578,7 +585,7 @@ def o_staging_fits(head_dim: int, tiles: tuple, dtype: str = "float16") -> bool:
     """Whether the TMA forward with these tiles has room in shared memory for O's staging tile
     (kernels_cu/forward_sm90_tma.cu, O_VIA_TMA): head dims up to TMA_STORE_MAX_HEAD_DIM, and
     not with d = 128's long key tiles."""
-    bucket = fp8_bucket(head_dim) if dtype == FP8_DTYPE else head_dim_bucket(head_dim)
+    bucket = bucket_of(dtype, head_dim)
     if bucket > TMA_STORE_MAX_HEAD_DIM:
         return False
     spec = instance("forward", "tma", dtype, bucket, tiles, 0, True)
