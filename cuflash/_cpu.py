@@ -35,21 +35,20 @@ def _score_mods(p: Problem, alibi: ArrayInfo | None) -> dict[str, Any]:
 def forward(
     p: Problem, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, alibi: ArrayInfo | None = None
 ) -> tuple[Any, Any]:
+    arrays = (as_float(qi), as_float(ki), as_float(vi))
+    return _forward_result(p, qi, arrays, _score_mods(p, alibi))
+
+
+def _forward_result(p: Problem, qi: ArrayInfo, arrays: tuple, mods: dict) -> tuple[Any, Any]:
+    """(o, lse) of q, k, v's values `arrays` in q's library: o in p.out_dtype."""
     if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
         o = np.zeros(p.q_shape)
         lse = np.full(p.lse_shape, -np.inf)
     else:
         o, lse = reference.forward_blockwise(
-            as_float(qi),
-            as_float(ki),
-            as_float(vi),
-            window=p.window,
-            scale=p.scale,
-            layout=p.layout,
-            **_score_mods(p, alibi),
-            **_blocks(p),
+            *arrays, window=p.window, scale=p.scale, layout=p.layout, **mods, **_blocks(p)
         )
-    return cpu_result(qi, o, p.dtype), cpu_result(qi, lse, p.lse_dtype)
+    return cpu_result(qi, o, p.out_dtype), cpu_result(qi, lse, p.lse_dtype)
 
 
 def forward_fp8(
@@ -70,13 +69,7 @@ def forward_fp8(
             f = np.repeat(f, p.group, axis=1) if info is qi else f  # per query head
             x = x * (f[:, None, :, None] if p.layout == "bshd" else f[:, :, None, None])
         arrays.append(x)
-    if p.batch * p.heads_q * p.seq_q == 0 or p.seq_k == 0:
-        o, lse = np.zeros(p.q_shape), np.full(p.lse_shape, -np.inf)
-    else:
-        o, lse = reference.forward_blockwise(
-            *arrays, window=p.window, scale=p.scale, layout=p.layout, **_blocks(p)
-        )
-    return cpu_result(qi, o, p.out_dtype), cpu_result(qi, lse, p.lse_dtype)
+    return _forward_result(p, qi, tuple(arrays), {})
 
 
 def backward(
