@@ -70,9 +70,6 @@ struct Params {
   TensorRef descale_q, descale_k, descale_v;
 };
 
-// Entry (batch, head) of a descale tensor of the FP8 forward, 1 where the call gave none.
-__device__ __forceinline__ float descale_of(const TensorRef& t, int batch, int head);
-
 // Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores), and the
 // keys of a work item of the fused backward (backward_sm90_fused.cu).
 constexpr int FUSED_BM = 64, FUSED_BN = 128;
@@ -83,6 +80,7 @@ __device__ __forceinline__ T* head_ptr(const TensorRef& t, int batch, int head) 
   return static_cast<T*>(t.ptr) + static_cast<i64>(batch) * t.batch + static_cast<i64>(head) * t.head;
 }
 
+// Entry (batch, head) of a descale tensor of the FP8 forward, 1 where the call gave none.
 __device__ __forceinline__ float descale_of(const TensorRef& t, int batch, int head) {
   return t.ptr ? *head_ptr<const float>(t, batch, head) : 1.f;
 }
