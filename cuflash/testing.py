@@ -88,14 +88,10 @@ def naive_forward_fp8(
     s = q.astype(xp.float32) @ k.transpose(0, 1, 3, 2).astype(xp.float32)
     s = s * (xp.float32(scale) * dq * dk)[:, :, None, None]
     s = xp.where(_mask(q.shape[2], k.shape[2], causal, window, xp), s, -xp.inf)
-    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
-    m_safe = xp.where(xp.isneginf(m), 0, m)
-    e = xp.exp(s - m_safe)
-    l_ = e.sum(axis=-1, keepdims=True)
+    m_safe, e, l_ = _row_exponentials(s, xp)
     o = round_e4m3(e, xp).astype(xp.float32) @ v.astype(xp.float32)
     o = xp.where(l_ > 0, o * dv[:, :, None, None] / xp.where(l_ > 0, l_, 1), 0)
-    lse = xp.where(l_[..., 0] > 0, (m_safe + xp.log(xp.where(l_ > 0, l_, 1)))[..., 0], -xp.inf)
-    return round_to(o, "bfloat16", xp), lse.astype(xp.float64)
+    return round_to(o, "bfloat16", xp), _row_lse(m_safe, l_, xp).astype(xp.float64)
 
 
 def _matmul(a: Any, b: Any, dtype: str, xp: Any) -> Any:
@@ -167,15 +163,24 @@ def naive_forward(
     k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     mods = (causal, window, softcap, alibi_slopes)
     s, _, mask = _naive_scores(q, k, dtype, scale, *mods, xp)
-    s = xp.where(mask, s, -xp.inf)
+    m_safe, e, l_ = _row_exponentials(xp.where(mask, s, -xp.inf), xp)
+    p = xp.where(l_ > 0, e / xp.where(l_ > 0, l_, 1), 0)
+    o = _matmul(round_to(p, dtype, xp), v, dtype, xp)
+    return o.astype(xp.float64), _row_lse(m_safe, l_, xp).astype(xp.float64)
+
+
+def _row_exponentials(s: Any, xp: Any) -> tuple[Any, Any, Any]:
+    """(row max, 0 for a row with no visible score; exp(s - max); their row sums) of masked
+    scores s (-inf where hidden)."""
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else xp.full(s.shape[:-1] + (1,), -xp.inf)
     m_safe = xp.where(xp.isneginf(m), 0, m)
     e = xp.exp(s - m_safe)
-    l_ = e.sum(axis=-1, keepdims=True)
-    p = xp.where(l_ > 0, e / xp.where(l_ > 0, l_, 1), 0)
-    o = _matmul(round_to(p, dtype, xp), v, dtype, xp)
-    lse = xp.where(l_[..., 0] > 0, (m_safe + xp.log(xp.where(l_ > 0, l_, 1)))[..., 0], -xp.inf)
-    return o.astype(xp.float64), lse.astype(xp.float64)
+    return m_safe, e, e.sum(axis=-1, keepdims=True)
+
+
+def _row_lse(m_safe: Any, l_: Any, xp: Any) -> Any:
+    """lse of _row_exponentials' rows: -inf for a row that sees no key."""
+    return xp.where(l_[..., 0] > 0, (m_safe + xp.log(xp.where(l_ > 0, l_, 1)))[..., 0], -xp.inf)
 
 
 def naive_backward(
