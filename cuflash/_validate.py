@@ -351,10 +351,8 @@ def check_fp8_forward(
             f"got {problem.head_dim}"
         )
     for info in (qi, ki, vi):
-        rows, heads = problem.extent(info.name)
-        shape = (problem.head_dim, rows, heads, problem.batch)
         sb, sh, ss = problem.bhs_strides(info.strides)
-        if _tma.tma_strides(shape, (ss, sh, sb), 1) is None:
+        if _tma.tma_strides(problem.map_shape(info.name), (ss, sh, sb), 1) is None:
             raise ValueError(
                 f"{info.name}'s strides {info.strides} must be multiples of 16 elements (bytes) "
                 f"for attention_forward_fp8; make a contiguous copy"
