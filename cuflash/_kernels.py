@@ -174,7 +174,7 @@ _FP8_TABLE = {
 }
 _FP8_LOCAL_TABLE = {64: ((128, 256, 2), "serial")}  # with a window, where it differs
 FP8_FEATURE_SETS = (0, FEATURE_LOCAL)
-TRANSPOSE_KEYS, TRANSPOSE_THREADS = 64, 256  # kernels_cu/fp8_transpose.cu
+TRANSPOSE_KEYS, TRANSPOSE_THREADS = 128, 256  # kernels_cu/fp8_transpose.cu
 
 
 def map_row_bytes(dtype: str, head_dim: int, tensor: str) -> int:

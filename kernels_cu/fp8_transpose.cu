@@ -11,17 +11,30 @@
 //
 // A block transposes KEYS keys of one head: 16-byte loads of whole key rows into shared memory
 // (the host runs it where v's base and strides are 16-byte aligned and d is a multiple of 16),
-// then 16-byte stores of 16 permuted keys of one row of V^T each.
+// then each thread turns 16 keys x 4 rows of d into 4 rows of V^T: 16 four-byte shared loads
+// (no bank conflict), a 4 x 4 byte transpose per 4 keys (byte_perm), 16-byte stores. (The first
+// version read a byte per shared load, 4-way conflicted; docs/perf/NOTES.md, v28.)
 #include "common.cuh"
 #include "params.cuh"
 
 namespace cuflash {
 
-constexpr int TRANSPOSE_KEYS = 64, TRANSPOSE_THREADS = 256;
+constexpr int TRANSPOSE_KEYS = 128, TRANSPOSE_THREADS = 256;
 
 // Position p of a group of 16 keys holds key transposed_key(p).
-__device__ __forceinline__ int transposed_key(int p) {
+__host__ __device__ constexpr int transposed_key(int p) {
   return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1);
+}
+
+// Rows r .. r + 3 of four keys (word b: key b's bytes r .. r + 3) -> keys 0 .. 3 of each row (word
+// i: row r + i's bytes of keys 0 .. 3).
+__device__ __forceinline__ void transpose_4x4_bytes(const unsigned (&in)[4], unsigned (&out)[4]) {
+  const unsigned lo01 = __byte_perm(in[0], in[1], 0x5140), hi01 = __byte_perm(in[0], in[1], 0x7362);
+  const unsigned lo23 = __byte_perm(in[2], in[3], 0x5140), hi23 = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
 // Params: v (its strides: batch, head, row), o (V^T, contiguous: its row stride is keys_pad,
@@ -30,39 +43,59 @@ __device__ __forceinline__ int transposed_key(int p) {
 template <int HD>
 __global__ void __launch_bounds__(TRANSPOSE_THREADS)
     transpose_v_fp8(const __grid_constant__ Params p) {
-  constexpr int PITCH = HD + 16;  // bytes a key row in shared memory (16-byte aligned, staggered)
-  __shared__ __align__(16) unsigned char tile[TRANSPOSE_KEYS * PITCH];
+  // Key `key`'s row in shared memory at key PITCH + 16 (key / 16): rows 16-byte aligned and
+  // staggered, and each group of 16 keys 16 bytes further on, so that the 8 lanes that read the
+  // same rows of 8 groups (below) hit 8 different bank quads.
+  constexpr int PITCH = HD + 16;
+  constexpr int GROUPS = TRANSPOSE_KEYS / 16;
+  __shared__ __align__(16) unsigned char tile[TRANSPOSE_KEYS * PITCH + 16 * GROUPS];
   const int keys_pad = static_cast<int>(p.o.seq);
   const int key_blocks = ceil_div(keys_pad, TRANSPOSE_KEYS);
   const int bh = blockIdx.x / key_blocks, head = bh % p.heads_kv, batch = bh / p.heads_kv;
   const int n0 = (blockIdx.x - bh * key_blocks) * TRANSPOSE_KEYS;
-  const int d = p.head_dim, chunks = d / 16;
+  const int d = p.head_dim;
   const unsigned char* v = head_ptr<const unsigned char>(p.v, batch, head);
-  for (int idx = threadIdx.x; idx < TRANSPOSE_KEYS * chunks; idx += TRANSPOSE_THREADS) {
-    const int key = idx / chunks, c = idx - key * chunks;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (n0 + key < p.seq_k)
-      x = *reinterpret_cast<const uint4*>(v + static_cast<i64>(n0 + key) * p.v.seq + 16 * c);
-    *reinterpret_cast<uint4*>(tile + key * PITCH + 16 * c) = x;
+  // Every load of the thread issued before the first is waited for (a loop that stored each
+  // before the next load ran at 46-65 us for 32 MB at d = 128 and 256).
+  constexpr int CHUNKS = HD / 16, LOADS = TRANSPOSE_KEYS * CHUNKS / TRANSPOSE_THREADS;
+  static_assert(TRANSPOSE_KEYS * CHUNKS % TRANSPOSE_THREADS == 0, "whole loads per thread");
+  uint4 x[LOADS];
+#pragma unroll
+  for (int l = 0; l < LOADS; ++l) {
+    const int idx = threadIdx.x + l * TRANSPOSE_THREADS, key = idx / CHUNKS, c = idx % CHUNKS;
+    x[l] = make_uint4(0, 0, 0, 0);
+    if (n0 + key < p.seq_k && 16 * c < d)
+      x[l] = *reinterpret_cast<const uint4*>(v + static_cast<i64>(n0 + key) * p.v.seq + 16 * c);
+  }
+#pragma unroll
+  for (int l = 0; l < LOADS; ++l) {
+    const int idx = threadIdx.x + l * TRANSPOSE_THREADS, key = idx / CHUNKS, c = idx % CHUNKS;
+    *reinterpret_cast<uint4*>(tile + key * PITCH + 16 * (key >> 4) + 16 * c) = x[l];
   }
   __syncthreads();
-  // Row `row` of V^T, 16 keys from n0 + 16 g: 16 bytes, one per thread.
+  // Rows r0 .. r0 + 3 of V^T, the 16 keys from n0 + 16 g: 16 bytes of each row. The 8 lanes of
+  // one r0 write the block's 128 keys of each row (whole 128-byte lines; lanes on consecutive
+  // rows, 16 bytes each, ran at 47-66 us for 32 MB at d = 128 and 256).
   unsigned char* vt = head_ptr<unsigned char>(p.o, batch, head);
-  for (int idx = threadIdx.x; idx < d * (TRANSPOSE_KEYS / 16); idx += TRANSPOSE_THREADS) {
-    const int row = idx / (TRANSPOSE_KEYS / 16), g = idx - row * (TRANSPOSE_KEYS / 16);
+  for (int idx = threadIdx.x; idx < (d / 4) * GROUPS; idx += TRANSPOSE_THREADS) {
+    const int g = idx % GROUPS, r0 = 4 * (idx / GROUPS);
     if (n0 + 16 * g >= keys_pad) continue;
-    unsigned words[4];
+    const unsigned char* keys = tile + 16 * g * PITCH + 16 * g + r0;
+    unsigned rows[4][4];  // [row within the quad][word: positions 4w .. 4w + 3]
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      unsigned word = 0;
+      unsigned in[4], out[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b)
-        word |= static_cast<unsigned>(tile[(16 * g + transposed_key(4 * w + b)) * PITCH + row])
-                << (8 * b);
-      words[w] = word;
+        in[b] = *reinterpret_cast<const unsigned*>(keys + transposed_key(4 * w + b) * PITCH);
+      transpose_4x4_bytes(in, out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rows[i][w] = out[i];
     }
-    *reinterpret_cast<uint4*>(vt + static_cast<i64>(row) * keys_pad + n0 + 16 * g) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<uint4*>(vt + static_cast<i64>(r0 + i) * keys_pad + n0 + 16 * g) =
+          make_uint4(rows[i][0], rows[i][1], rows[i][2], rows[i][3]);
   }
 }
 
