@@ -282,6 +282,12 @@ def main() -> int:
                 for nq, nk, mods, kv in causal:
                     run(choice, dtype, d, True, aligned=True, nq=nq, nk=nk, mods=mods, kv_heads=kv)
                 count += 1 + len(causal)
+                # two work items per persistent block (176 for 132 SMs, or 88 causal pairs; the
+                # cases above give a block one item): buffers and stages reused across items;
+                # causal with more queries than keys puts an item that sees no key first
+                for causal in (False, True):
+                    run(choice, dtype, d, causal, aligned=True, nq=2800, nk=600)
+                count += 2
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):

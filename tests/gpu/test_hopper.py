@@ -101,6 +101,33 @@ def test_long_key_tiles_at_d128(seq_q, seq_k, causal, softcap, dtype):
     assert spec.o_via_tma != long_tiles and spec.schedule == "turns"
 
 
+@pytest.mark.parametrize(
+    "batch,seq_q,seq_k,head_dim,causal,window,softcap,alibi,dtype",
+    [
+        (6, 1100, 1100, 64, False, None, None, None, "bfloat16"),
+        (6, 1100, 900, 128, True, None, None, None, "float16"),
+        (4, 1500, 300, 128, True, None, None, None, "bfloat16"),  # rows that see no key
+        (6, 1000, 1200, 128, False, (300, 40), 20.0, "head", "bfloat16"),
+        (2, 4100, 4100, 128, False, None, None, None, "bfloat16"),  # 160-key tiles
+        (8, 1000, 1000, 40, True, (100, 0), None, None, "float16"),
+        (4, 1100, 1000, 256, False, None, None, None, "bfloat16"),  # one Q buffer
+    ],
+)
+def test_several_work_items_per_block(
+    batch, seq_q, seq_k, head_dim, causal, window, softcap, alibi, dtype
+):
+    # At least twice as many work items as blocks, so that each persistent block of the TMA
+    # forward runs several back to back (most other GPU tests give a block one item): the
+    # producer loads the next item's Q and first tiles while the consumers finish this one, the
+    # Q buffers and K/V stages go round across items, and items whose rows see no key (count 0,
+    # where the causal rows outnumber the keys) sit between others.
+    case = Case(batch, 4, 2, seq_q, seq_k, head_dim, dtype, "bshd", causal, None, "contiguous", 23)
+    case = replace(case, window=window, softcap=softcap, alibi=alibi)
+    check_case(case, "several items")
+    launch = plans_of(case)[0].runs.aligned.launch  # the call without window, softcap, ALiBi
+    assert launch.spec.path == "tma" and launch.num_work >= 2 * launch.grid
+
+
 def test_patched_tensor_maps_equal_the_drivers():
     x = torch.empty(4, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
     base = x.data_ptr()
