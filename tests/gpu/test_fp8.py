@@ -114,24 +114,47 @@ def check(case: Fp8Case, q, k, v, factors, o, lse) -> None:
         assert result.passed, f"{case}: {result.message}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_fp8_forward_matches_the_reference(case: Fp8Case) -> None:
+def forward(case: Fp8Case, q, k, v, factors):
+    """cuflash.attention_forward_fp8 with the case's options and descale factors (None: none)."""
     import cuflash
 
-    q, k, v, factors = inputs(case)
     names = ("q_descale", "k_descale", "v_descale")
     kwargs = {} if factors is None else dict(zip(names, factors, strict=True))
-    o, lse = cuflash.attention_forward_fp8(
+    return cuflash.attention_forward_fp8(
         q, k, v, causal=case.causal, window=case.window, layout=case.layout, **kwargs
     )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fp8_forward_matches_the_reference(case: Fp8Case) -> None:
+    q, k, v, factors = inputs(case)
+    o, lse = forward(case, q, k, v, factors)
     assert o.dtype == torch.bfloat16 and o.shape == q.shape
     assert lse.dtype == torch.float32
     check(case, q, k, v, factors, o, lse)
     # a second call takes the cached plan and gives the same bits
-    o2, lse2 = cuflash.attention_forward_fp8(
-        q, k, v, causal=case.causal, window=case.window, layout=case.layout, **kwargs
-    )
+    o2, lse2 = forward(case, q, k, v, factors)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_fp8_forward_takes_jax_arrays() -> None:
+    """JAX float8_e4m3fn arrays go in through DLPack and O (bfloat16) and lse come back as JAX
+    arrays, with the bits of the same call on PyTorch tensors."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    case = Fp8Case(seq_q=200, seq_k=300, heads_q=4, heads_kv=2, causal=True)
+    q, k, v, factors = inputs(case)
+    o, lse = forward(case, q, k, v, factors)
+    # e4m3 values are exact in float32: the JAX arrays hold the same bits
+    qj, kj, vj = (
+        jnp.asarray(x.float().cpu().numpy()).astype(jnp.float8_e4m3fn) for x in (q, k, v)
+    )
+    fj = tuple(jnp.asarray(f.cpu().numpy()) for f in factors)
+    oj, lsej = forward(case, qj, kj, vj, fj)
+    assert isinstance(oj, jax.Array) and isinstance(lsej, jax.Array)
+    assert oj.dtype == jnp.bfloat16 and oj.shape == q.shape and lsej.dtype == jnp.float32
+    assert np.array_equal(np.asarray(oj.astype(jnp.float32)), o.float().cpu().numpy())
+    assert np.array_equal(np.asarray(lsej), lse.cpu().numpy())
 
 
 @st.composite
@@ -157,15 +180,9 @@ def fp8_cases(draw) -> Fp8Case:
 
 @given(case=fp8_cases())
 def test_fp8_forward_property(case: Fp8Case) -> None:
-    import cuflash
-
     note(str(case))
     q, k, v, factors = inputs(case)
-    names = ("q_descale", "k_descale", "v_descale")
-    kwargs = {} if factors is None else dict(zip(names, factors, strict=True))
-    o, lse = cuflash.attention_forward_fp8(
-        q, k, v, causal=case.causal, window=case.window, layout=case.layout, **kwargs
-    )
+    o, lse = forward(case, q, k, v, factors)
     check(case, q, k, v, factors, o, lse)
 
 
@@ -174,16 +191,12 @@ def test_fp8_nan_in_a_hidden_value_stays_local() -> None:
     correct, the others are NaN. The rows of the key's own (masked) tile meet the NaN with P = 0
     and are recomputed by the repair (repair.cuh, reading e4m3 rows: unrounded P, so not bitwise
     the tensor cores' result); rows of earlier blocks never meet it and are bitwise unchanged."""
-    import cuflash
-
     case = Fp8Case(causal=True, seq_q=512, seq_k=512, batch=1, heads_q=2, heads_kv=2)
     q, k, clean, factors = inputs(case)
     v = clean.clone()
     v.view(torch.uint8)[0, 300, 1, 5] = 0x7F  # e4m3fn NaN at key 300, head 1
-    names = ("q_descale", "k_descale", "v_descale")
-    kwargs = dict(zip(names, factors, strict=True))
-    o, lse = cuflash.attention_forward_fp8(q, k, v, causal=True, **kwargs)
-    o_clean, lse_clean = cuflash.attention_forward_fp8(q, k, clean, causal=True, **kwargs)
+    o, lse = forward(case, q, k, v, factors)
+    o_clean, lse_clean = forward(case, q, k, clean, factors)
     of = o.float().cpu().numpy()
     assert np.isfinite(of[0, :300]).all()  # rows 0..299 do not see key 300
     assert np.isnan(of[0, 300:, 1, 5]).all()
