@@ -73,6 +73,14 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--head-dim", nargs="+", type=int, help="only these head dims' rows")
+    parser.add_argument(
+        "--no-alternatives",
+        action="store_true",
+        help="time the library, the baselines and SDPA only (no explicit tiles or loops)",
+    )
+    parser.add_argument(
+        "--seq", nargs="+", type=int, help="only these sequence lengths (default 1k, 4k, 16k)"
+    )
     parser.add_argument("--out", default=None, help="a directory for probe_forward.txt")
     args = parser.parse_args()
     bases = {
@@ -93,7 +101,7 @@ def main() -> int:
             methods[label] = lambda base=base: base.attention_forward(
                 q, k, v, causal=causal, alibi_slopes=slopes, **options
             )
-        for label, tiles, schedule in alternatives:
+        for label, tiles, schedule in [] if args.no_alternatives else alternatives:
             choice = KernelChoice(
                 tiles=((("forward", "tma"), tiles),) if tiles else (), schedule=schedule
             )
@@ -127,7 +135,7 @@ def main() -> int:
     for d, seqs, alternatives in SHAPES:
         if d not in wanted:
             continue
-        for n in seqs:
+        for n in args.seq or seqs:
             q, k, v = inputs(d, n)
             for causal in (False, True):
                 flops = 4 * q.shape[0] * q.shape[2] * n * n * d / (2 if causal else 1)
