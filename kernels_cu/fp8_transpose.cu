@@ -6,8 +6,9 @@
 // forward reads through a tensor map. The keys of every 16 are written in the order of P's A
 // fragments (forward_sm90.cuh, to_a_fragments): position 4t + i holds key
 // 2t + (i & 1) + 8 (i >> 1), so that the forward packs its probabilities with no shuffle. One
-// pass over V, in and out: 33-53 us for 32 MB on the H100, 4-8% of an FP8 forward call at N = 4k
-// and 1-4% at 16k (docs/perf/NOTES.md, v27; FlashAttention-3 transposes inside its kernel).
+// pass over V, in and out: 27-35 us for 32 MB on the H100 (2.3 TB/s), 3-5% of an FP8 forward
+// call at N = 4k and about 1% at 16k (docs/perf/NOTES.md, v27 and v28; FlashAttention-3
+// transposes inside its kernel).
 //
 // A block transposes KEYS keys of one head: 16-byte loads of whole key rows into shared memory
 // (the host runs it where v's base and strides are 16-byte aligned and d is a multiple of 16),
