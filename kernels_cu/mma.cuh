@@ -132,4 +132,54 @@ __device__ __forceinline__ void store_accumulator_rows(unsigned short* head, i64
   }
 }
 
+// Within each quad of lanes (t = lane & 3): word i of lane t goes to lane i as its word t (a 4 x 4
+// transpose in two exchanges, xor 1 and xor 2, and selects: no local memory).
+__device__ __forceinline__ void transpose_quad_words(unsigned (&w)[4], int t) {
+  const bool b0 = t & 1, b1 = t & 2;
+  // Keep the words bound for lanes with this lane's bit 0, swap the others with lane t ^ 1 ...
+  const unsigned k0 = b0 ? w[1] : w[0], k2 = b0 ? w[3] : w[2];
+  const unsigned r0 = __shfl_xor_sync(0xffffffffu, b0 ? w[0] : w[1], 1);
+  const unsigned r2 = __shfl_xor_sync(0xffffffffu, b0 ? w[2] : w[3], 1);
+  // ... then those bound for the other bit 1 with lane t ^ 2.
+  const unsigned s0 = __shfl_xor_sync(0xffffffffu, b1 ? k0 : k2, 2);
+  const unsigned s1 = __shfl_xor_sync(0xffffffffu, b1 ? r0 : r2, 2);
+  const unsigned own = b1 ? k2 : k0, own1 = b1 ? r2 : r0;
+  // own, own1, s0, s1 came from lanes t, t ^ 1, t ^ 2, t ^ 3: word s is lane s's.
+  const unsigned p0 = b0 ? own1 : own, p1 = b0 ? own : own1;
+  const unsigned p2 = b0 ? s1 : s0, p3 = b0 ? s0 : s1;
+  w[0] = b1 ? p2 : p0;
+  w[1] = b1 ? p3 : p1;
+  w[2] = b1 ? p0 : p2;
+  w[3] = b1 ? p1 : p3;
+}
+
+// store_accumulator_rows in 16-byte pieces (factor 1): each quad of lanes trades its packed pairs
+// of four n-tiles so that lane t holds the 8 columns of n-tile 4j + t, and a row's 64 bytes go out
+// as whole 32-byte sectors (the four-byte stores fill half a sector each). Rows must be 16-byte
+// aligned (head and stride); rows outside [0, nrows) and columns >= d (a multiple of 8) skipped.
+template <typename Elem, int NT>
+__device__ __forceinline__ void store_accumulator_rows_wide(unsigned short* head, i64 stride,
+                                                            int row0, int nrows, int d,
+                                                            const float (&acc)[NT][4], int lane) {
+  static_assert(NT % 4 == 0, "groups of four n-tiles");
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    const bool inside = row >= 0 && row < nrows;
+    unsigned short* dst = head + static_cast<i64>(inside ? row : 0) * stride;
+#pragma unroll
+    for (int j = 0; j < NT / 4; ++j) {
+      unsigned w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = ElemTraits<Elem>::pack2(acc[4 * j + i][2 * r], acc[4 * j + i][2 * r + 1]);
+      transpose_quad_words(w, t);  // every lane takes part, inside its rows or not
+      const int col = (4 * j + t) * 8;
+      if (inside && col < d)
+        *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 }  // namespace cuflash
