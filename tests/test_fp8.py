@@ -143,7 +143,7 @@ def test_fp8_instances_and_launches() -> None:
     launches = _dispatch.forward_fp8(p, strides, "sm_90a", 132)
     assert launches.forward.maps == (("q", 128), ("k", 256), ("vt", 128), ("o", 64))
     assert launches.forward.paired and launches.forward.num_work == 8 * 4 * 2
-    assert launches.transpose.grid == 13 * 2 * 2  # 64-key blocks of 784 keys, per (b, kv head)
+    assert launches.transpose.grid == 7 * 2 * 2  # 128-key blocks of 784 keys, per (b, kv head)
     with pytest.raises(ValueError, match="sm_90"):
         _dispatch.forward_fp8(p, strides, "sm_89", 132)
 
