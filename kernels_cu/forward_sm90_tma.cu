@@ -429,20 +429,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         }
       }
     }
-    // Otherwise from registers: in 16-byte pieces where O's rows are 16-byte aligned (the
-    // library's own O always is). Four-byte stores of a quad's 16 bytes a row fill half an L2
-    // sector each, and every block writes its O at about the same time: at d = 256 that took
-    // 8,000-12,000 cycles an item, 15-20% of an item's time at 1k (docs/perf/NOTES.md, v28).
-    if (!staged) {
-      const bool wide = ((reinterpret_cast<unsigned long long>(o_head) |
-                          static_cast<unsigned long long>(p.o.seq * 2)) & 15) == 0;
-      if (wide)
-        store_accumulator_rows_wide<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
-                                                                p.head_dim, blk.acc_o[0], lane);
-      else
-        store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
-                                                           p.head_dim, blk.acc_o[0], 1.f, lane);
-    }
+    // Otherwise from registers (in 16-byte pieces where O's rows are aligned: mma.cuh).
+    if (!staged)
+      store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
+                                                         p.head_dim, blk.acc_o[0], 1.f, lane);
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -110,12 +110,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // Writes an accumulator row pair (rows g and g + 8 of a warp's 16, times `factor`) as Elem to
-// global memory (the C fragment layout above, one 16-row tile): rows outside [0, nrows) and
+// global memory (the C fragment layout above, one 16-row tile) in four-byte pieces: each lane
+// writes its pairs, a quad 16 bytes of a row (half an L2 sector). Rows outside [0, nrows) and
 // columns >= d (a multiple of 8) are skipped.
 template <typename Elem, int NT>
-__device__ __forceinline__ void store_accumulator_rows(unsigned short* head, i64 stride, int row0,
-                                                       int nrows, int d, const float (&acc)[NT][4],
-                                                       float factor, int lane) {
+__device__ __forceinline__ void store_accumulator_rows_narrow(unsigned short* head, i64 stride,
+                                                              int row0, int nrows, int d,
+                                                              const float (&acc)[NT][4],
+                                                              float factor, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -153,14 +155,14 @@ __device__ __forceinline__ void transpose_quad_words(unsigned (&w)[4], int t) {
   w[3] = b1 ? p1 : p3;
 }
 
-// store_accumulator_rows in 16-byte pieces (factor 1): each quad of lanes trades its packed pairs
-// of four n-tiles so that lane t holds the 8 columns of n-tile 4j + t, and a row's 64 bytes go out
-// as whole 32-byte sectors (the four-byte stores fill half a sector each). Rows must be 16-byte
-// aligned (head and stride); rows outside [0, nrows) and columns >= d (a multiple of 8) skipped.
+// The same in 16-byte pieces: each quad of lanes trades its packed pairs of four n-tiles so that
+// lane t holds the 8 columns of n-tile 4j + t, and a row's 64 bytes go out as whole 32-byte
+// sectors. Rows must be 16-byte aligned (head and stride).
 template <typename Elem, int NT>
 __device__ __forceinline__ void store_accumulator_rows_wide(unsigned short* head, i64 stride,
                                                             int row0, int nrows, int d,
-                                                            const float (&acc)[NT][4], int lane) {
+                                                            const float (&acc)[NT][4],
+                                                            float factor, int lane) {
   static_assert(NT % 4 == 0, "groups of four n-tiles");
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -173,13 +175,33 @@ __device__ __forceinline__ void store_accumulator_rows_wide(unsigned short* head
       unsigned w[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        w[i] = ElemTraits<Elem>::pack2(acc[4 * j + i][2 * r], acc[4 * j + i][2 * r + 1]);
+        w[i] = ElemTraits<Elem>::pack2(acc[4 * j + i][2 * r] * factor,
+                                       acc[4 * j + i][2 * r + 1] * factor);
       transpose_quad_words(w, t);  // every lane takes part, inside its rows or not
       const int col = (4 * j + t) * 8;
       if (inside && col < d)
         *reinterpret_cast<uint4*>(dst + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
+}
+
+// Writes an accumulator row pair (rows g and g + 8 of a warp's 16, times `factor`) as Elem to
+// global memory: O in the Hopper forward, dQ, dK and dV in the Hopper backward. In 16-byte pieces
+// where NT is a multiple of 4, else in four-byte pieces. Four-byte stores fill half an L2 sector
+// each, and every block writes its rows at about the same time: at d = 256 that took 8,000-12,000
+// cycles of a forward item, 15-20% of its time at 1k (docs/perf/NOTES.md, v28). The callers' rows
+// are 16-byte aligned: their kernels run only as the launch for aligned pointers and strides
+// (cuflash/_dispatch.py, Pair). A choice made here at run time would cost the backward's dK/dV
+// kernels, at their register limit, up to 160 bytes of spills (both forms are kept live). Rows
+// outside [0, nrows) and columns >= d (a multiple of 8) are skipped.
+template <typename Elem, int NT>
+__device__ __forceinline__ void store_accumulator_rows(unsigned short* head, i64 stride, int row0,
+                                                       int nrows, int d, const float (&acc)[NT][4],
+                                                       float factor, int lane) {
+  if constexpr (NT % 4 == 0)
+    store_accumulator_rows_wide<Elem, NT>(head, stride, row0, nrows, d, acc, factor, lane);
+  else
+    store_accumulator_rows_narrow<Elem, NT>(head, stride, row0, nrows, d, acc, factor, lane);
 }
 
 }  // namespace cuflash
