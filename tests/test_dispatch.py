@@ -593,3 +593,25 @@ def test_the_fused_dkdv_kernels_stages_come_from_the_table_or_the_choice():
     for hd, tiles in ((128, (64, 64, 2)), (64, (64, 128, 5)), (128, (64, 128, 4))):
         with pytest.raises(ValueError, match="fused dK/dV tiles"):
             _kernels.instance("dkdv", "fused", "bfloat16", hd, tiles, schedule="bounded")
+
+
+# The kernels whose rows go out from registers in 16-byte pieces with no alignment test of their
+# own (kernels_cu/mma.cuh, store_accumulator_rows): they must run only as a Pair's launch for
+# aligned pointers, over strides of whole 16-byte chunks.
+WIDE_STORE_SOURCES = ("forward_sm90_tma.cu", "backward_sm90_tma.cu", "backward_sm90_fused.cu")
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 64, 72, 100, 128, 136, 200, 256])
+@pytest.mark.parametrize("pad", [0, 1, 4, 8])
+def test_wide_store_kernels_run_only_on_aligned_chunked_launches(head_dim, pad):
+    for window in ((None, None), (None, 0), (64, 0)):
+        p = problem(head_dim=head_dim, window=window)
+        strides = strides_of(p, pad=pad)
+        chunked = head_dim % 8 == 0 and pad % 8 == 0
+        pairs = [_dispatch.forward(p, strides, "sm_90a", 132)]
+        chosen = _dispatch.backward(p, strides, "sm_90a", 132)
+        pairs += [chosen.dkdv, chosen.dq]
+        for pair in pairs:
+            assert pair.unaligned.spec.source not in WIDE_STORE_SOURCES
+            if pair.aligned.spec.source in WIDE_STORE_SOURCES:
+                assert chunked and pair.aligned.vec, (head_dim, pad, pair.aligned.spec.name_expression)
