@@ -13,6 +13,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "score_mod.cuh"
 
 namespace cuflash {
 
@@ -105,6 +106,47 @@ struct OnlineSoftmax {
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
         on_alpha(mt, r, alpha);
+      }
+    }
+  }
+
+  // probabilities for the scores of a tile that no mask bound crosses, under a softcap alone:
+  // s holds raw scores (unit u), P is over c tanh(s u / c) (score_mod.cuh: cap_in = u / c,
+  // cap_out = c / u, row_max in capped units as in probabilities). tanh is increasing, so a row's
+  // largest capped score is the cap of its largest raw one: the max no longer waits for the
+  // tanh, and the cap's multiply folds into the softmax's FMA. A tile with hidden scores (-inf)
+  // takes the general path: here tanh(-inf) = -1 would make them visible. (+2% for the d = 64
+  // softcap forward on the H100 and H200; docs/perf/NOTES.md, v25, v26 and v29.)
+  template <int NT_S>
+  __device__ __forceinline__ void probabilities_capped(float (&s)[MT][NT_S][4], float scale_log2,
+                                                       float cap_in, float cap_out,
+                                                       float (&alphas)[MT][2]) {
+    const float cap_log2 = cap_out * scale_log2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -inf_f32();
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(mx * cap_in));
+        const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
+        const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+        const float bias = m_scaled + shift;
+        row_max[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float p = fast_exp2(fmaf(cap_log2, tanh_fast(s[mt][nt][e] * cap_in), -bias));
+            s[mt][nt][e] = p;
+            sum += p;
+          }
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+        alphas[mt][r] = alpha;
       }
     }
   }
