@@ -203,7 +203,7 @@ _WORKSPACE_ALIGN = 256
 
 def fused_backward_fits(p: Problem) -> bool:
     """Whether the fused backward can serve the call, the GPU and the strides aside: an instance
-    for its features (no softcap) and bucket; without a right bound, no left bound either and at
+    for its features (not packed) and bucket; without a right bound, no left bound either and at
     most as many key blocks per head as query steps (group x query tiles: the rotated turns need
     an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the "bounded"
     schedule, fused_schedule), any group."""

@@ -44,9 +44,10 @@ FEATURE_PACKED = 8  # packed variable-length sequences (kernels_cu/params.cuh, S
 FEATURE_SETS = tuple(range(16))
 # Packed calls: the TMA kernels load boxes of the packed tensors at each sequence's rows (those
 # past the sequence are masked, kernels_cu/forward_sm90_tma.cu, backward_sm90_tma.cu).
-# Features whose backward runs on the mma.sync kernels on every architecture (paths): the Hopper
-# backward kernels spilled 20-112 bytes with the softcap (docs/perf/NOTES.md, v11).
-BACKWARD_ON_MMA = FEATURE_SOFTCAP
+# The softcap's backward runs on the Hopper kernels (fused, split TMA, wgmma) since v29: v11 sent
+# it to mma.sync, where the Hopper kernels spilled 20-112 B with the exact tanh (two MUFU
+# operations); with tanh.approx (v25) 34 of their 160 softcap instances use 8-48 B
+# (local_memory.txt), and the backward runs 2.4-3.2x faster (docs/perf/NOTES.md, v29).
 # Buckets whose TMA backward spills with any of these features (the dK/dV kernel with ALiBi: 36 B
 # at d = 64, 24-76 B at d = 256; packed at d = 256: 20-24 B): those calls take the wgmma or
 # mma.sync backward.
@@ -200,14 +201,14 @@ def bucket_of(dtype: str, head_dim: int) -> int:
 # consumer warpgroups of 64 keys, 64-row query tiles), the stages of Q and dO per bucket (d = 64's
 # steps are short: more of them in flight), its schedules (the dK/dV kernel's order of query
 # tiles and turns: "rotated" for masks without a right bound, "bounded" for those
-# with one, such as causal and windows), the features it has (no softcap or packing; a left bound
+# with one, such as causal and windows), the features it has (no packing; a left bound
 # only with the bounded order), and the threads of the dQ kernel that reads its sums.
 FUSED_BACKWARD_BUCKETS = (64, 128)
 FUSED_TILES = (64, 128)
 SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90
 FUSED_STAGES = {64: 4, 128: 2}
 FUSED_SCHEDULES = ("rotated", "bounded")
-FUSED_FEATURES = FEATURE_LOCAL | FEATURE_ALIBI
+FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
 FUSED_DQ_THREADS = 128
 # Calls of at least `rows` query rows with one of `feature sets` take `tiles` where those are
 # faster than the table's (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles,
@@ -329,8 +330,7 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
     if dtype in EXACT_DTYPES:
         return ("exact",)
     bucket = head_dim_bucket(head_dim)
-    modified_backward = family in ("dq", "dkdv") and features & BACKWARD_ON_MMA
-    hopper = arch == "sm_90a" and not modified_backward
+    hopper = arch == "sm_90a"
     tables = {"tma": _TMA_TILES, "wgmma": _WGMMA_TILES}
     spills = family in ("dq", "dkdv") and features & _TMA_BACKWARD_SPILLS.get(bucket, 0)
     return tuple(
@@ -347,11 +347,11 @@ def default_tiles(
     """The table's tiles of an instance (for `seq_q` query rows, where long sequences take
     others; for `features`, where score modifiers need smaller ones)."""
     bucket = head_dim_bucket(head_dim)
-    if features & BACKWARD_ON_MMA and (family, path, bucket) in _SCORE_MOD_TILES:
+    if features & FEATURE_SOFTCAP and (family, path, bucket) in _SCORE_MOD_TILES:
         return _SCORE_MOD_TILES[(family, path, bucket)]
     if features & FEATURE_PACKED and (family, path, bucket) in _PACKED_TILES:
         return _PACKED_TILES[(family, path, bucket)]
-    packed_mods = features & FEATURE_PACKED and features & BACKWARD_ON_MMA
+    packed_mods = features & FEATURE_PACKED and features & FEATURE_SOFTCAP
     if packed_mods and (family, path, bucket) in _PACKED_SCORE_MOD_TILES:
         return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":

@@ -29,10 +29,7 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BM * 2, 1)
     attention_backward_dq_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
-  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   constexpr int NTHREADS = BM * 2, NT_D = HD / 8;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, PITCH = HD + 8;
   static_assert(HD % 64 == 0 && BM % 64 == 0 && BN % 16 == 0, "wgmma tile shapes");
@@ -140,10 +137,7 @@ template <typename Elem, int HD, int BM, int BN, int FEATURES>
 __global__ void __launch_bounds__(BN * 2, 1)
     attention_backward_dkdv_wgmma(const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
-  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   // BN keys per block (64 per warpgroup), query tiles of BM rows.
   constexpr int NTHREADS = BN * 2, NT_D = HD / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2, PITCH = HD + 8;

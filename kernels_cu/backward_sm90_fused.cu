@@ -1,5 +1,5 @@
-// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of unpacked attention without a
-// softcap (dense, causal, sliding windows): one kernel computes dK, dV and dQ's partial sums from
+// backward_sm90_fused.cu: the fused Hopper backward (sm_90a) of unpacked attention (dense, causal,
+// sliding windows; softcap, ALiBi): one kernel computes dK, dV and dQ's partial sums from
 // the same S and dP (5 matrix products per tile pair, where the dK/dV and dQ kernels of
 // backward_sm90_tma.cu do 7), and a second one turns the float32 sums into dQ. Deterministic: the
 // partial sums of a query tile are added in a fixed order (below), never by unordered atomics.
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
   typedef FusedSteps<BOUNDED, F::LOCAL> Steps;
-  static_assert(!F::SOFTCAP && !F::PACKED, "no softcap or packing");
+  static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
   static_assert((HD == 64 || HD == 128) && BM == FUSED_BM && BN == FUSED_BN,
                 "two consumers of 64 keys, 64 rows");

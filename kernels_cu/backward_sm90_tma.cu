@@ -57,10 +57,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     attention_backward_dq_tma(const __grid_constant__ BackwardMaps maps,
                               const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
-  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   constexpr bool PACKED = Features<FEATURES>::PACKED;
   constexpr int CONSUMERS = BM / 64, NT_D = HD / 8, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int ROWS_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
@@ -223,10 +220,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     attention_backward_dkdv_tma(const __grid_constant__ BackwardMaps maps,
                                 const __grid_constant__ Params p) {
   typedef typename Features<FEATURES>::Mask Mask;
-  // The softcap runs on the mma.sync backward (cuflash/_kernels.py, paths): here it spills at the
-  // wgmma kernels' register budget (docs/perf/NOTES.md, v11).
   typedef typename Features<FEATURES>::template ScoreMod<> Mod;
-  static_assert(!Features<FEATURES>::SOFTCAP, "no softcap on this path");
   constexpr bool PACKED = Features<FEATURES>::PACKED;
   // BN keys per block (64 per consumer warpgroup; at HD = 256, 64 shared by two warpgroups that
   // split the head dim), query tiles of BM rows.

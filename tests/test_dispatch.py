@@ -153,10 +153,11 @@ def test_features_of_a_problem_pick_the_instances():
     assert _dispatch.features(wide) == 0
     mods = problem(head_dim=128, window=(100, 3), softcap=30.0, alibi=True)
     assert _dispatch.features(mods) == 7
-    # windows take the fused backward at d = 128 and the split TMA kernels where asked; the
-    # softcap runs its backward on mma.sync (Hopper's backward kernels have no registers for it)
-    # and its forward on TMA; ALiBi takes the fused backward at d = 128 (the split TMA kernels
-    # where asked) and at d = 64 (the wgmma kernels where the split ones are asked)
+    # windows take the fused backward at d = 128 and the split TMA kernels where asked; so do the
+    # softcap (since v29: with tanh as one MUFU operation the Hopper backward kernels have the
+    # registers for it) and the softcap with every other modifier; ALiBi takes the fused backward
+    # at d = 128 (the split TMA kernels where asked) and at d = 64 (the wgmma kernels where the
+    # split ones are asked)
     alibi = problem(head_dim=128, alibi=True, window=(None, None))
     launches = _dispatch.backward(alibi, strides_of(alibi), "sm_90a", 132)
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
@@ -180,8 +181,14 @@ def test_features_of_a_problem_pick_the_instances():
     assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
     assert launches.dq.aligned.spec.features == _kernels.FEATURE_LOCAL
     launches = _dispatch.backward(mods, strides_of(mods), "sm_90a", 132)
-    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "mma"
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
     assert launches.dkdv.aligned.spec.features == 7
+    launches = _dispatch.backward(mods, strides_of(mods), "sm_90a", 132, split)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "tma"
+    capped = problem(head_dim=64, softcap=30.0, window=(None, None))
+    launches = _dispatch.backward(capped, strides_of(capped), "sm_90a", 132)
+    assert launches.dkdv.aligned.spec.path == launches.dq.aligned.spec.path == "fused"
+    assert launches.dkdv.aligned.spec.features == _kernels.FEATURE_SOFTCAP
     pair = _dispatch.forward(mods, strides_of(mods), "sm_90a", 132)
     assert pair.aligned.spec.path == "tma" and pair.aligned.spec.features == 7
     assert pair.unaligned.spec.path == "wgmma" and pair.unaligned.spec.features == 7
@@ -316,7 +323,7 @@ def test_the_fused_backward_at_d_64_leaves_causal_calls_with_more_keys_to_the_sp
         dict(head_dim=256),
         dict(dtype="float32"),
         dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head, no bound
-        dict(softcap=30.0),
+        dict(packed=True, total_q=1000, total_k=1024),
     ],
 )
 def test_the_fused_backward_leaves_the_other_calls(change):
