@@ -85,27 +85,11 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -inf_f32();
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = quad_max(mx);
-        const float m_new = fmaxf(row_max[mt][r], mx);
+        const float m_new = fmaxf(row_max[mt][r], tile_row_max(s, mt, r));
         const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
-        const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
-        const float bias = m_scaled + shift;
-        row_max[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -bias));
-            s[mt][nt][e] = p;
-            sum += p;
-          }
-        }
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-        on_alpha(mt, r, alpha);
+        on_alpha(mt, r, move_row(s, mt, r, m_new, m_scaled, scale_log2, [&](float x, float bias) {
+                   return fmaf(x, scale_log2, -bias);
+                 }));
       }
     }
   }
@@ -115,7 +99,7 @@ struct OnlineSoftmax {
   // cap_out = c / u, row_max in capped units as in probabilities). tanh is increasing, so a row's
   // largest capped score is the cap of its largest raw one: the max no longer waits for the
   // tanh, and the cap's multiply folds into the softmax's FMA. A tile with hidden scores (-inf)
-  // takes the general path: here tanh(-inf) = -1 would make them visible. (+2% for the d = 64
+  // takes the general path: here tanh(-inf) = -1 would make them visible. (+2-4% for the d = 64
   // softcap forward on the H100 and H200; docs/perf/NOTES.md, v25, v26 and v29.)
   template <int NT_S>
   __device__ __forceinline__ void probabilities_capped(float (&s)[MT][NT_S][4], float scale_log2,
@@ -126,29 +110,45 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -inf_f32();
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = quad_max(mx);
-        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(mx * cap_in));
+        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(tile_row_max(s, mt, r) * cap_in));
         const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
-        const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
-        const float bias = m_scaled + shift;
-        row_max[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float p = fast_exp2(fmaf(cap_log2, tanh_fast(s[mt][nt][e] * cap_in), -bias));
-            s[mt][nt][e] = p;
-            sum += p;
-          }
-        }
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-        alphas[mt][r] = alpha;
+        alphas[mt][r] = move_row(s, mt, r, m_new, m_scaled, scale_log2, [&](float x, float bias) {
+          return fmaf(cap_log2, tanh_fast(x * cap_in), -bias);
+        });
       }
     }
+  }
+
+  // The largest score of row r of m-tile mt in this tile (over the lane quad that holds it).
+  template <int NT_S>
+  static __device__ __forceinline__ float tile_row_max(const float (&s)[MT][NT_S][4], int mt, int r) {
+    float mx = -inf_f32();
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+    return quad_max(mx);
+  }
+
+  // Row r of m-tile mt moves to the max m_new (m_scaled: its exponent, m_new * scale_log2 or 0):
+  // its scores become P = exp2(exponent(s, bias)), bias = m_scaled + shift, its sum l = alpha l +
+  // rowsum(P); returns alpha = exp2(m scale_log2 - m_scaled).
+  template <int NT_S, typename Exponent>
+  __device__ __forceinline__ float move_row(float (&s)[MT][NT_S][4], int mt, int r, float m_new,
+                                            float m_scaled, float scale_log2, Exponent exponent) {
+    const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+    const float bias = m_scaled + shift;
+    row_max[mt][r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        const float p = fast_exp2(exponent(s[mt][nt][e], bias));
+        s[mt][nt][e] = p;
+        sum += p;
+      }
+    }
+    row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+    return alpha;
   }
 
   // acc row r of m-tile mt *= alpha
