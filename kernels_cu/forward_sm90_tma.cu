@@ -429,7 +429,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         }
       }
     }
-    // Otherwise from registers (in 16-byte pieces where O's rows are aligned: mma.cuh).
+    // Otherwise from registers, in 16-byte pieces where d's n-tiles come in fours (mma.cuh,
+    // store_accumulator_rows; this kernel runs only on aligned launches).
     if (!staged)
       store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
                                                          p.head_dim, blk.acc_o[0], 1.f, lane);

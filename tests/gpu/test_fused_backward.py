@@ -127,13 +127,13 @@ def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
 
 
 @pytest.mark.parametrize(
-    "causal,window,softcap,seq_k",
+    "causal,window,seq_k",
     [
-        (False, (64, None), None, 500),
-        (False, None, None, 20000),
+        (False, (64, None), 500),
+        (False, None, 20000),
     ],
 )
-def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
+def test_other_calls_keep_the_split_backward(causal, window, seq_k):
     # a left bound alone, and more key blocks than query steps (group x query tiles) without a
     # bound (the softcap takes the fused kernels since v29: fused_cases draws it)
     case = Case(
@@ -150,7 +150,6 @@ def test_other_calls_keep_the_split_backward(causal, window, softcap, seq_k):
         "contiguous",
         3,
         window=window,
-        softcap=softcap,
     )
     plans = check_case(case, "fused excluded", FUSED)
     assert "fused" not in backward_paths(plans)
