@@ -51,7 +51,7 @@ FEATURE_SETS = tuple(range(16))
 # Buckets whose TMA backward spills with any of these features (the dK/dV kernel with ALiBi: 36 B
 # at d = 64, 24-76 B at d = 256; packed at d = 256: 20-24 B): those calls take the wgmma or
 # mma.sync backward.
-_TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_ALIBI | FEATURE_PACKED}
+_TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_PACKED}
 
 # C++ spelling of each dtype as a template argument.
 _CPP_ELEM = {
