@@ -4,8 +4,8 @@ bf16, d = 128 (or --head-dim), interleaved rounds in one process; TFLOP/s count 
 (query, key) pairs (backward: 10 * B * H * pairs * d, docs/DESIGN.md). Writes
 probe_fused_masks.txt (probe_fused_masks_d<d>.txt for another head dim) under --out.
 
-    python bench/probe_fused_masks.py [--out DIR] [--rounds N] [--head-dim D] [--stages S ...]
-        [--cases TEXT]
+    python bench/probe_fused_masks.py [--out DIR] [--rounds N] [--head-dim D]
+        [--tiles BM,STAGES ...] [--cases TEXT]
 """
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ import cuflash  # noqa: E402
 from cuflash import _kernels, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
-# (label, batch, seq_q, seq_k, heads_q, heads_kv, causal, window, alibi)
+# (label, batch, seq_q, seq_k, heads_q, heads_kv, causal, window, alibi[, softcap])
 CASES = [
     ("dense", 4, 4096, 4096, 16, 16, False, None, False),
     ("dense", 1, 16384, 16384, 16, 16, False, None, False),
     ("causal", 4, 4096, 4096, 16, 16, True, None, False),
+    ("alibi", 4, 4096, 4096, 16, 16, False, None, True),
     ("causal alibi", 4, 4096, 4096, 16, 16, True, None, True),
+    ("softcap alibi", 4, 4096, 4096, 16, 16, False, None, True, 30.0),
+    ("softcap", 4, 4096, 4096, 16, 16, False, None, False, 30.0),
+    ("causal softcap", 4, 4096, 4096, 16, 16, True, None, False, 30.0),
+    ("causal softcap alibi", 4, 4096, 4096, 16, 16, True, None, True, 30.0),
+    ("window (1023, 0) softcap", 4, 4096, 4096, 16, 16, False, (1023, 0), False, 30.0),
+    ("window (1023, 0) alibi", 4, 4096, 4096, 16, 16, False, (1023, 0), True),
     ("causal gqa 32/16", 4, 4096, 4096, 32, 16, True, None, False),
     ("causal gqa 32/8", 16, 1024, 1024, 32, 8, True, None, False),
     ("causal gqa 32/8", 4, 4096, 4096, 32, 8, True, None, False),
@@ -54,24 +61,31 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument(
-        "--stages", type=int, nargs="*", default=[], help="fused columns with these Q/dO stages too"
+        "--tiles",
+        nargs="*",
+        default=[],
+        help="fused columns with these query tile rows and Q/dO stages too (BM,STAGES)",
     )
     parser.add_argument("--cases", default="", help="only the cases whose label contains this")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     d = args.head_dim
-    fused_tiles = {f"s={s}": (*_kernels.FUSED_TILES, s) for s in args.stages}
+    fused_tiles = {}
+    for text in args.tiles:
+        bm, stages = (int(x) for x in text.split(","))
+        fused_tiles[f"{bm}/s{stages}"] = (bm, _kernels.FUSED_BN, stages)
     extra = "".join(f" {name:>7}" for name in fused_tiles)
     lines = [
         f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
         f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}{extra}  x split  path",
     ]
-    for label, b, n, nk, hq, hkv, causal, window, alibi in CASES:
+    for label, b, n, nk, hq, hkv, causal, window, alibi, *more in CASES:
         if args.cases not in label:
             continue
+        softcap = more[0] if more else None
         q, do = (torch.randn(b, n, hq, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
         k, v = (torch.randn(b, nk, hkv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
-        options = dict(causal=causal, window=window)
+        options = dict(causal=causal, window=window, softcap=softcap)
         if alibi:
             options["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
         o, lse = cuflash.attention_forward(q, k, v, **options)

@@ -60,6 +60,7 @@ class Launch:
     paired: bool = False  # persistent kernels: items taken in pairs (common.cuh, WorkWalk)
     row_shift: int = 0  # TMA forward: rows of the first block before row 0
     lanes_per_row: int = 32  # preprocess
+    dq_tile_rows: int = 0  # preprocess of the fused backward: its query tile rows (its counters)
     maps: tuple[tuple[str, int], ...] = field(default=())  # TMA: (tensor, box rows), in order
     sizes: tuple[tuple[str, int], ...] = ()  # Params sizes that differ from the problem's
     # Packed calls on the persistent kernels: the launch of build_work_list that writes this
@@ -74,6 +75,7 @@ class Launch:
             "paired": int(self.paired),
             "row_shift": self.row_shift,
             "lanes_per_row": self.lanes_per_row,
+            "dq_tile_rows": self.dq_tile_rows,
             **dict(self.sizes),
         }
 
@@ -196,17 +198,42 @@ def work_list_bytes(p: Problem, family: str) -> int:
 
 
 # The fused backward (kernels_cu/backward_sm90_fused.cu) keeps dQ's float32 partial sums and one
-# counter per 64-row query tile in the backward's workspace, after D.
-_FUSED_BM, _FUSED_BN = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+# counter per query tile (of its BM rows) in the backward's workspace, after D.
 _WORKSPACE_ALIGN = 256
 
 
-def fused_backward_fits(p: Problem) -> bool:
+def fused_tiles(p: Problem, choice: KernelChoice = DEFAULT) -> tuple[int, int, int]:
+    """The fused dK/dV kernel's (BM, BN, stages) for `p`: the choice's, else the table's
+    (_kernels.FUSED_TILES), or its 64-row tiles (FUSED_SHORT_TILES) for the schedules and
+    features of FUSED_SHORT_FOR and where the rotated schedule needs more query steps than the
+    table's give (_rotated_fits). Only for buckets the fused backward has."""
+    tiles = choice.tiles_for("dkdv", "fused")
+    if tiles:
+        return tiles
+    bucket = _kernels.head_dim_bucket(p.head_dim)
+    tiles = _kernels.default_tiles("dkdv", "fused", p.dtype, bucket, features=features(p))
+    short = _kernels.FUSED_SHORT_TILES.get(bucket)
+    if short is None:
+        return tiles
+    if (fused_schedule(p), features(p)) in _kernels.FUSED_SHORT_FOR[bucket]:
+        return short
+    if not p.mask.bounded_right and not _rotated_fits(p, tiles[0]):
+        return short
+    return tiles
+
+
+def _rotated_fits(p: Problem, bm: int) -> bool:
+    """The rotated turns need an item per start: at most group x query tiles (of bm rows) key
+    blocks per head (backward_sm90_fused.cu, FusedDqOrder)."""
+    return 0 < _ceil_div(p.seq_k, _kernels.FUSED_BN) <= p.group * _ceil_div(p.seq_q, bm)
+
+
+def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     """Whether the fused backward can serve the call, the GPU and the strides aside: an instance
     for its features (not packed) and bucket; without a right bound, no left bound either and at
-    most as many key blocks per head as query steps (group x query tiles: the rotated turns need
-    an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the "bounded"
-    schedule, fused_schedule), any group."""
+    most as many key blocks per head as query steps (group x query tiles of its BM: the rotated
+    turns need an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the
+    "bounded" schedule, fused_schedule), any group."""
     available = _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
     if not (available and p.seq_q > 0 and p.seq_k > 0):
         return False
@@ -214,7 +241,7 @@ def fused_backward_fits(p: Problem) -> bool:
         return True
     if p.mask.local:  # a left bound alone: every key block's list would start at the first tile
         return False
-    return 0 < _ceil_div(p.seq_k, _FUSED_BN) <= p.group * _ceil_div(p.seq_q, _FUSED_BM)
+    return _rotated_fits(p, fused_tiles(p, choice)[0])
 
 
 def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
@@ -225,7 +252,9 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     faster on the split TMA kernels (fused 0.87-0.94x of them at Nk = 2 Nq, H100:
     docs/perf/NOTES.md, v23), where those serve the call (not with ALiBi: the table takes the
     wgmma kernels there)."""
-    if choice.backward == "split" or choice.path not in (None, "tma") or not fused_backward_fits(p):
+    if choice.backward == "split" or choice.path not in (None, "tma"):
+        return False
+    if not fused_backward_fits(p, choice):
         return False
     if choice.backward == "fused":
         return True
@@ -256,10 +285,11 @@ def backward_workspace(p: Problem, choice: KernelChoice = DEFAULT) -> BackwardWo
     delta = math.prod(p.lse_shape) * (8 if p.dtype in _kernels.EXACT_DTYPES else 4)
     if not fused_backward_chosen(p, choice):
         return BackwardWorkspace(delta)
-    tiles = p.batch * p.heads_q * _ceil_div(p.seq_q, _FUSED_BM)
+    bm = fused_tiles(p, choice)[0]
+    tiles = p.batch * p.heads_q * _ceil_div(p.seq_q, bm)
     semaphores = _round_up(delta, _WORKSPACE_ALIGN)
     accum = _round_up(semaphores + 4 * tiles, _WORKSPACE_ALIGN)
-    sums = tiles * _FUSED_BM * _kernels.head_dim_bucket(p.head_dim) * 4
+    sums = tiles * bm * _kernels.head_dim_bucket(p.head_dim) * 4
     return BackwardWorkspace(accum + sums, semaphores, accum)
 
 
@@ -304,15 +334,20 @@ def backward(
     fused = readable and arch == "sm_90a" and fused_backward_chosen(p, choice)
     maps = (("q", 64), ("k", 64), ("v", 64), ("dout", 64))
     if fused:
-        tiles = choice.tiles_for("dkdv", "fused")  # (BM, BN, STAGES): the table's when None
+        tiles = fused_tiles(p, choice)  # (BM, BN, stages)
         spec = _kernels.instance(
             "dkdv", "fused", p.dtype, p.head_dim, tiles, features(p), schedule=fused_schedule(p)
         )
         blocks = _ceil_div(p.seq_k, spec.rows_per_block)
         dkdv = _persistent_launch(p, spec, p.heads_kv, blocks, sm_count, maps, family="dkdv")
-        post = _kernels.instance("dq", "fused", p.dtype, p.head_dim, None, features(p))
-        tiles = _ceil_div(p.seq_q, post.rows_per_block)
-        dq = Launch(post, p.batch * p.heads_q * tiles, tiles, vec=True)
+        post = _kernels.instance("dq", "fused", p.dtype, p.head_dim, tiles[:1], features(p))
+        tiles_q = _ceil_div(p.seq_q, post.rows_per_block)
+        dq = Launch(post, p.batch * p.heads_q * tiles_q, tiles_q, vec=True)
+        # the preprocess zeroes the counters, one per query tile
+        preprocess = Pair(
+            replace(preprocess.aligned, dq_tile_rows=tiles[0]),
+            replace(preprocess.unaligned, dq_tile_rows=tiles[0]),
+        )
     elif tma:
         launches = []
         for family, heads, seq in (("dkdv", p.heads_kv, p.seq_k), ("dq", p.heads_q, p.seq_q)):

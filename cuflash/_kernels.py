@@ -197,19 +197,33 @@ def bucket_of(dtype: str, head_dim: int) -> int:
     return fp8_bucket(head_dim) if dtype == FP8_DTYPE else head_dim_bucket(head_dim)
 
 
-# The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, (BM, BN) (two
-# consumer warpgroups of 64 keys, 64-row query tiles), the stages of Q and dO per bucket (d = 64's
-# steps are short: more of them in flight), its schedules (the dK/dV kernel's order of query
-# tiles and turns: "rotated" for masks without a right bound, "bounded" for those
-# with one, such as causal and windows), the features it has (no packing; a left bound
-# only with the bounded order), and the threads of the dQ kernel that reads its sums.
+# The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, its (BM, BN,
+# stages) per bucket (two consumer warpgroups of 64 keys; query tiles of 128 rows at d = 64, whose
+# 64-row steps were short against a step's fixed costs, docs/perf/NOTES.md v30, and of 64 rows at
+# d = 128; the stages of Q and dO), the query tile rows each bucket's kernel has, its schedules
+# (the dK/dV kernel's order of query tiles and turns: "rotated" for masks without a right bound,
+# "bounded" for those with one, such as causal and windows), and the features it has (no
+# packing; a left bound only with the bounded order).
 FUSED_BACKWARD_BUCKETS = (64, 128)
-FUSED_TILES = (64, 128)
+FUSED_TILES = {64: (128, 128, 2), 128: (64, 128, 2)}
+FUSED_ROWS = {64: (64, 128), 128: (64,)}
+# 64-row tiles at d = 64 (cuflash/_dispatch.py, fused_tiles): where the rotated schedule needs
+# more query steps than 128-row tiles give, and for the (schedule, features) whose 128-row
+# instances spill most (NVRTC: 168-256 B a thread) and ran slower (H100, bf16, 4k: ALiBi alone
+# 0.65x, causal with the softcap and ALiBi 0.94x; docs/perf/NOTES.md, v30). The bounded schedule
+# with every modifier (192 B) follows the causal one, unmeasured.
+FUSED_SHORT_TILES = {64: (64, 128, 4)}
+FUSED_SHORT_FOR = {
+    64: (
+        ("rotated", FEATURE_ALIBI),
+        ("bounded", FEATURE_SOFTCAP | FEATURE_ALIBI),
+        ("bounded", FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI),
+    )
+}
+FUSED_BN = 128
 SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90
-FUSED_STAGES = {64: 4, 128: 2}
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
-FUSED_DQ_THREADS = 128
 # Calls of at least `rows` query rows with one of `feature sets` take `tiles` where those are
 # faster than the table's (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles,
 # feature sets)}; the other feature sets keep the table's tiles at every length.
@@ -360,7 +374,7 @@ def default_tiles(
             return tiles
         return _TMA_TILES[family][bucket]
     if path == "fused":
-        return (*FUSED_TILES, FUSED_STAGES[bucket]) if family == "dkdv" else ()
+        return FUSED_TILES[bucket] if family == "dkdv" else FUSED_TILES[bucket][:1]
     if path == "wgmma":
         return _WGMMA_TILES[family][bucket]
     if path == "mma":
@@ -561,17 +575,24 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
         raise ValueError(f"no fused backward at head dim {hd} with features {features}")
     if family == "dkdv" and features & FEATURE_LOCAL and schedule != "bounded":
         raise ValueError("a window (FEATURE_LOCAL) takes the fused backward's bounded schedule")
-    bm, bn = FUSED_TILES
-    if family == "dq":  # a block per (batch, query head, query tile)
-        return spec(f"{name}<{elem}, {hd}, {features}>", FUSED_DQ_THREADS, 0, bm, 0)
-    if len(tiles) != 3 or tuple(tiles[:2]) != FUSED_TILES or not 2 <= tiles[2] <= 4:
-        raise ValueError(f"fused dK/dV tiles must be {FUSED_TILES} and 2-4 stages, got {tiles}")
+    if family == "dq":  # a block per (batch, query head, query tile): (BM,) of the dK/dV kernel
+        if len(tiles) != 1 or tiles[0] not in FUSED_ROWS[hd]:
+            raise ValueError(f"fused dQ tiles must be (BM,), BM in {FUSED_ROWS[hd]}, got {tiles}")
+        bm = tiles[0]
+        return spec(f"{name}<{elem}, {hd}, {bm}, {FUSED_BN}, {features}>", 2 * bm, 0, bm, 0)
+    ok = len(tiles) == 3 and tiles[0] in FUSED_ROWS[hd] and tiles[1] == FUSED_BN
+    if not (ok and 2 <= tiles[2] <= 4):
+        raise ValueError(
+            f"fused dK/dV tiles at d = {hd} must be (BM in {FUSED_ROWS[hd]}, {FUSED_BN}, 2-4 "
+            f"stages), got {tiles}"
+        )
+    bm, bn = tiles[0], tiles[1]
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
-    # (and at d = 64 the first consumer's part), lse2 and D per stage, the barriers (9 of 8 bytes
-    # with two stages), the repair flags (8 of 4 bytes), 1 KB alignment slack
+    # (and with 64-row tiles at d = 64 the first consumer's part), lse2 and D per stage, the
+    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), 1 KB alignment slack
     row_bytes = hd * 2
-    dq_tiles = 2 if hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
+    dq_tiles = 2 if bm == 64 and hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
     smem += 8 * stages * bm + 8 * (5 + 2 * stages) + 4 * 8 + 1024
     if smem > SM90_MAX_SMEM:
@@ -611,6 +632,15 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                         fused = instance("dkdv", "fused", dt, hd, None, features, schedule=schedule)
                         specs.add(fused)
                 specs.add(instance("dq", "fused", dt, hd, None, features))
+                # 64-row tiles: the rotated schedule's where 128 rows give too few query steps,
+                # and FUSED_SHORT_FOR's
+                short = FUSED_SHORT_TILES.get(hd)
+                for schedule in FUSED_SCHEDULES if short else ():
+                    rotated = schedule == "rotated" and not features & FEATURE_LOCAL
+                    if rotated or (schedule, features) in FUSED_SHORT_FOR[hd]:
+                        fused = instance("dkdv", "fused", dt, hd, short, features, schedule=schedule)
+                        specs.add(fused)
+                        specs.add(instance("dq", "fused", dt, hd, short[:1], features))
     for family in ("forward", "dkdv", "dq"):
         for dt in DTYPES:
             for hd in HEAD_DIM_BUCKETS:

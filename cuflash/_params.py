@@ -83,6 +83,7 @@ class Params(ctypes.Structure):
         ("row_shift", _i32),
         ("paired", _i32),
         ("lanes_per_row", _i32),
+        ("dq_tile_rows", _i32),
         ("total_q", _i32),
         ("total_k", _i32),
         ("page_size", _i32),

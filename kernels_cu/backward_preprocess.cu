@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(PREPROCESS_WARPS * 32)
     *head_rows<Acc>(p.delta, b, h).row(i) = sum;
     // The fused backward's counters (backward_sm90_fused.cu): one per query tile, zeroed by the
     // tile's first row.
-    if (p.dq_semaphores != nullptr && i % FUSED_BM == 0)
-      p.dq_semaphores[(static_cast<i64>(b) * p.heads_q + h) * ceil_div(p.seq_q, FUSED_BM) +
-                      i / FUSED_BM] = 0;
+    if (p.dq_semaphores != nullptr && i % p.dq_tile_rows == 0)
+      p.dq_semaphores[(static_cast<i64>(b) * p.heads_q + h) * ceil_div(p.seq_q, p.dq_tile_rows) +
+                      i / p.dq_tile_rows] = 0;
   }
 }
 

@@ -9,9 +9,10 @@
 // steps of Sm90DkdvKeys over the query tiles of every query head of the group), and per query tile:
 //   - both consumers store dS^T of their keys into one shared tile (stmatrix, 128-byte swizzle;
 //     two tiles used in turn, so that one barrier a tile orders the consumers);
-//   - each computes dQ_part = dS K for half of the head dim (wgmma, A = dS^T read MN-major,
-//     B = K read MN-major) and stores it, in fragment order, into a staging tile (at d = 64: for
-//     every column over its own keys, the second consumer staging the sum of both parts);
+//   - each computes dQ_part = dS K (wgmma, A = dS^T read MN-major, B = K read MN-major) for half
+//     of the tile (with 128-row query tiles at d = 64: its 64 queries; with 64-row ones at d = 128:
+//     half of the head dim; at d = 64: every column over its own keys, the second consumer
+//     staging the sum of both parts) and stores it, in fragment order, into a staging tile;
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
 //     in its turn: the tile's counter says how many items have added theirs. It waits for the
@@ -146,13 +147,13 @@ struct FusedBoundedOrder {
   }
 };
 
-// An item's query steps (query head of the group, query tile) and the tiles' turns. LOCAL: the
-// mask has a left bound too (a window).
-template <bool BOUNDED, bool LOCAL>
+// An item's query steps (query head of the group, query tile of BM rows) and the tiles' turns, for
+// key blocks of BN keys. LOCAL: the mask has a left bound too (a window).
+template <bool BOUNDED, bool LOCAL, int BM, int BN>
 struct FusedSteps;
 
-template <>
-struct FusedSteps<false, false> {  // every query tile of every head, rotated (FusedDqOrder)
+template <int BM, int BN>
+struct FusedSteps<false, false, BM, BN> {  // every query tile of every head, rotated (FusedDqOrder)
   FusedDqOrder order;
   int tiles_q;
   template <typename Mask>
@@ -174,18 +175,18 @@ struct FusedSteps<false, false> {  // every query tile of every head, rotated (F
   }
 };
 
-template <bool LOCAL>
-struct FusedSteps<true, LOCAL> {  // the tiles of the block's rows, ascending, head by head
+template <bool LOCAL, int BM, int BN>
+struct FusedSteps<true, LOCAL, BM, BN> {  // the tiles of the block's rows, ascending, head by head
   TileRange tiles;
   FusedBoundedOrder order;  // the writer's (dead code elsewhere)
   template <typename Mask>
   static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int block, int,
                                                   const Mask& mask) {
-    FusedSteps s{mask.query_tiles(block * FUSED_BN, FUSED_BN, FUSED_BM),
+    FusedSteps s{mask.query_tiles(block * BN, BN, BM),
                  FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0,
                                        p.group > 1 && mask.left >= mask.nk - mask.left)};
     // the last key block, with padding keys: every tile masked
-    if ((block + 1) * FUSED_BN > mask.nk) s.tiles.full_begin = s.tiles.end;
+    if ((block + 1) * BN > mask.nk) s.tiles.full_begin = s.tiles.end;
     return s;
   }
   __device__ __forceinline__ int count(int group) const { return group * tiles.count(); }
@@ -200,7 +201,7 @@ struct FusedSteps<true, LOCAL> {  // the tiles of the block's rows, ascending, h
   }
   template <typename Mask>
   __device__ __forceinline__ int turn(int block, const QueryStep& at, const Mask& mask) const {
-    const TileRange blocks = mask.key_tiles(at.tile * FUSED_BM, FUSED_BM, FUSED_BN);
+    const TileRange blocks = mask.key_tiles(at.tile * BM, BM, BN);
     return order.turn(block, blocks.begin, blocks.end - 1);
   }
 };
@@ -297,19 +298,23 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  typedef FusedSteps<BOUNDED, F::LOCAL> Steps;
+  typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
-  static_assert((HD == 64 || HD == 128) && BM == FUSED_BM && BN == FUSED_BN,
-                "two consumers of 64 keys, 64 rows");
+  static_assert(BN == 128, "two consumers of 64 keys");
   constexpr int CONSUMERS = BN / 64;
-  // dQ_part = dS K: at HD = 128 each consumer computes the columns of one 64-column block of K
-  // over all BN keys. At HD = 64 a consumer's share of the columns (32) is not a swizzle atom of
-  // K read MN-major, so each computes all HD columns over its own 64 keys, and the second stages
-  // the sum of both parts (SPLIT_KEYS).
-  constexpr bool SPLIT_KEYS = HD < 64 * CONSUMERS;
-  static_assert(!SPLIT_KEYS || (HD == 64 && CONSUMERS == 2), "keys split between two consumers");
-  constexpr int DQ_COLS = SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
+  // dQ_part = dS K, split between the consumers one of three ways:
+  //  - SPLIT_ROWS (BM = 128, HD = 64): each computes its 64 of the tile's queries, every column,
+  //    over all BN keys (A = its column block of dS^T);
+  //  - by columns (BM = 64, HD = 128): each computes one 64-column block of K over all BN keys;
+  //  - SPLIT_KEYS (BM = 64, HD = 64): a consumer's share of the columns (32) is not a swizzle atom
+  //    of K read MN-major, so each computes all HD columns over its own 64 keys, and the second
+  //    stages the sum of both parts.
+  constexpr bool SPLIT_ROWS = BM == 64 * CONSUMERS;
+  constexpr bool SPLIT_KEYS = !SPLIT_ROWS && HD < 64 * CONSUMERS;
+  static_assert(SPLIT_ROWS ? HD == 64 : BM == 64 && (HD == 64 || HD == 128),
+                "64-row query tiles at d = 64 and 128, 128-row ones at d = 64");
+  constexpr int DQ_COLS = SPLIT_ROWS || SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -406,7 +411,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
           }
           mbar_wait(&bar.dq_full, staged & 1);
           fence_proxy_async_global();  // the earlier turns' additions before this one
-          float* sums = p.dq_accum + tile * (FUSED_BM * HD);
+          float* sums = p.dq_accum + tile * (BM * HD);
           if (turn == 0) bulk_store(sums, sdQ, DQ_BYTES);
           else bulk_reduce_add(sums, sdQ, DQ_BYTES);
           bulk_commit();
@@ -471,12 +476,14 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       // consumer passed the barrier below on the previous tile.
       unsigned char* ds_tile = sdS + (pipe & 1) * DS_BYTES;
       {
+        // 16-byte chunk c of a row (queries 8 c ..) lies in column block c / 8 of BN rows
         const int mi = lane >> 3, row = key_row0 + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
           const int chunk = 2 * kk + (mi >> 1);
-          stmatrix_x4(ds_tile + row * 128 + ((chunk ^ (row & 7)) << 4), f.dst[kk][0], f.dst[kk][1],
-                      f.dst[kk][2], f.dst[kk][3]);
+          unsigned char* block = ds_tile + (chunk >> 3) * (BN * 128);
+          stmatrix_x4(block + row * 128 + (((chunk & 7) ^ (row & 7)) << 4), f.dst[kk][0],
+                      f.dst[kk][1], f.dst[kk][2], f.dst[kk][3]);
         }
       }
       // Without a bound, the padding keys of a partial last block are not masked: their dS^T rows
@@ -485,27 +492,32 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       if (!BOUNDED && n0 + BN > p.seq_k) {
         __syncwarp();  // the warp's stmatrix before the zeros
         const int pad0 = max(0, p.seq_k - n0 - key_row0);  // this warp's first padding row
+        constexpr int CHUNKS = BM / 8;                      // 16-byte chunks of a row
 #pragma unroll
-        for (int i = lane; i < 16 * 8; i += 32)  // 16 rows of 8 chunks of 16 bytes
-          if (i / 8 >= pad0)
-            *reinterpret_cast<uint4*>(ds_tile + (key_row0 + i / 8) * 128 + (i % 8) * 16) =
-                make_uint4(0, 0, 0, 0);
+        for (int i = lane; i < 16 * CHUNKS; i += 32) {
+          const int r = i / CHUNKS, c = i % CHUNKS;  // a whole row: the swizzle does not matter
+          if (r >= pad0)
+            *reinterpret_cast<uint4*>(ds_tile + (c >> 3) * (BN * 128) + (key_row0 + r) * 128 +
+                                      (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+        }
       }
       fence_proxy_async();
       named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
       keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
-      // dQ_part = dS K for head-dim columns 64 wg .. (SPLIT_KEYS: all columns, keys 64 wg ..):
-      // A = dS^T, B = K (from its column block), both read MN-major; k16 step k covers keys
-      // 16 k .. 16 k + 15.
+      // dQ_part = dS K: A = dS^T, B = K, both read MN-major; k16 step k covers keys 16 k ..
+      // 16 k + 15. SPLIT_ROWS: queries 64 wg .. (column block wg of dS^T), all columns, all keys;
+      // SPLIT_KEYS: all columns, keys 64 wg ..; else head-dim columns 64 wg .. (column block wg of
+      // K), all keys.
       float acc_dq[NT_DQ][4];
       constexpr int K16_STEPS = SPLIT_KEYS ? 4 : BN / 16;
       const int k16_first = SPLIT_KEYS ? 4 * wg : 0;
-      const unsigned char* k_cols = sK + (SPLIT_KEYS ? 0 : wg * (BN * 128));
+      const unsigned char* ds_rows = ds_tile + (SPLIT_ROWS ? wg * (BN * 128) : 0);
+      const unsigned char* k_cols = sK + (SPLIT_ROWS || SPLIT_KEYS ? 0 : wg * (BN * 128));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < K16_STEPS; ++kk) {
         const int k16 = k16_first + kk;
-        wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_tile + k16 * 2048, BN * 128, 1024),
+        wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_rows + k16 * 2048, BN * 128, 1024),
                                    smem_desc(k_cols + k16 * 2048, BN * 128, 1024), kk > 0);
       }
       wgmma_commit();
@@ -517,7 +529,8 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
       // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
-      // reads this order). SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
+      // reads this order; SPLIT_ROWS: wg is the consumer's half of the rows, else its columns).
+      // SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
       // own tile (the second read the last one before the barrier above), and the second stages
       // the sum (the same fragment layout: thread tid's elements), so that each tile has one writer.
       // Every thread arrives and waits on an mbarrier (rather than a named barrier's arrive, or one
@@ -571,37 +584,40 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   }
 }
 
-// dQ = scale * sums: a block of 128 threads per (batch, query head, query tile). Thread tid reads
-// the float4s that consumer thread tid of each warpgroup staged: together the 16-row accumulator
-// of its warp's rows in the mma layout (mma.cuh), stored as the dQ kernels store theirs. A tile
-// that no key block reaches (rows that see no key) has no sums: dQ = 0 there. Where the tile meets
-// a masked key block, rows that are non-finite are recomputed (repair.cuh).
-template <typename Elem, int HD, int FEATURES>
-__global__ void __launch_bounds__(128) attention_backward_dq_from_accum(const __grid_constant__ Params p) {
+// dQ = scale * sums: a block of 2 BM threads (a warp per 16 rows) per (batch, query head, query
+// tile of BM rows; key blocks of BN keys). Thread tid + 128 h reads the float4s that consumer
+// thread tid of each warpgroup staged for rows 64 h .. of the tile (with 64-row tiles, h = 0 and
+// the warpgroups staged column blocks): together the 16-row accumulator of its warp's rows in the
+// mma layout (mma.cuh), stored as the dQ kernels store theirs. A tile that no key block reaches
+// (rows that see no key) has no sums: dQ = 0 there. Where the tile meets a masked key block,
+// rows that are non-finite are recomputed (repair.cuh).
+template <typename Elem, int HD, int BM, int BN, int FEATURES>
+__global__ void __launch_bounds__(2 * BM)
+    attention_backward_dq_from_accum(const __grid_constant__ Params p) {
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  // staged float4 (wg, nt) of thread tid, at (wg * NT_D / 2 + nt) * 128 + tid, is column tile
-  // wg * NT_D / 2 + nt of its rows (at HD = 64, one warpgroup's: float4 nt at nt * 128 + tid)
+  // staged float4 (h, nt) of thread tid, at (h * NT_D + nt) * 128 + tid, is column tile nt of its
+  // rows
   constexpr int NT_D = HD / 8;
-  const int tiles_q = ceil_div(p.seq_q, FUSED_BM), lane = threadIdx.x & 31;
+  const int tiles_q = ceil_div(p.seq_q, BM), lane = threadIdx.x & 31;
   const i64 index = blockIdx.x;
   const int tile = static_cast<int>(index % tiles_q);
   const i64 bh = index / tiles_q;
   const int batch = static_cast<int>(bh / p.heads_q), head = static_cast<int>(bh % p.heads_q);
   const Seq<false> seq = Seq<false>::of(p, batch);
   const Mask mask = Mask::of(p, seq.ext);
-  const TileRange blocks = mask.key_tiles(tile * FUSED_BM, FUSED_BM, FUSED_BN);
-  const float4* sums = reinterpret_cast<const float4*>(p.dq_accum + index * (FUSED_BM * HD));
+  const TileRange blocks = mask.key_tiles(tile * BM, BM, BN);
+  const float4* sums = reinterpret_cast<const float4*>(p.dq_accum + index * (BM * HD)) +
+                       (threadIdx.x >> 7) * (NT_D * 128) + (threadIdx.x & 127);
   float acc[1][NT_D][4];
 #pragma unroll
   for (int nt = 0; nt < NT_D; ++nt) {
-    const float4 v =
-        blocks.count() > 0 ? sums[nt * 128 + threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 v = blocks.count() > 0 ? sums[nt * 128] : make_float4(0.f, 0.f, 0.f, 0.f);
     acc[0][nt][0] = v.x, acc[0][nt][1] = v.y, acc[0][nt][2] = v.z, acc[0][nt][3] = v.w;
   }
   const float scale = static_cast<float>(p.scale);
-  const int row0 = tile * FUSED_BM + (threadIdx.x >> 5) * 16;
+  const int row0 = tile * BM + (threadIdx.x >> 5) * 16;
   unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, head);
   store_accumulator_rows<Elem, NT_D>(dq_head, p.dq.seq, row0, p.seq_q, p.head_dim, acc[0], scale,
                                      lane);

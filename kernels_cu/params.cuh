@@ -34,8 +34,8 @@ struct Params {
   // (work_list.cu) writes before each launch, from entry list_base (two int4 each): a header
   // {items, ...}, then an entry per item (work_item).
   int4* work_list;
-  // The fused backward (backward_sm90_fused.cu): float32 dQ partial sums, a FUSED_BM x HD tile per
-  // (batch, query head, query tile) in the consumers' fragment order, and one counter per such
+  // The fused backward (backward_sm90_fused.cu): float32 dQ partial sums, a dq_tile_rows x HD tile
+  // per (batch, query head, query tile) in the consumers' fragment order, and one counter per such
   // tile that orders the additions (the preprocess zeroes them); null elsewhere.
   float* dq_accum;
   int* dq_semaphores;
@@ -53,6 +53,7 @@ struct Params {
                       // each sequence's own, forward_sm90_tma.cu)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int lanes_per_row;  // preprocess: lanes that reduce one row
+  int dq_tile_rows;   // preprocess, where dq_semaphores is set: the fused backward's tile rows
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
   // KV cache: rows per page (paged), pages in the cache, rows in use of every sequence when
   // seqused_k is null, rows appended (k_new), splits of the keys and keys per split (a multiple
@@ -69,10 +70,6 @@ struct Params {
   // key/value head) with those strides: S = scale (q . k) dq dk, O = dv P V / l. Null stands for 1.
   TensorRef descale_q, descale_k, descale_v;
 };
-
-// Query rows of a tile of Params::dq_accum and of one of its counters (dq_semaphores), and the
-// keys of a work item of the fused backward (backward_sm90_fused.cu).
-constexpr int FUSED_BM = 64, FUSED_BN = 128;
 
 // Row 0 of head `head` of sequence `batch` of a tensor, as T: 64-bit offsets throughout.
 template <typename T>

@@ -428,14 +428,20 @@ def kernels_rising(mask, group: int) -> bool:
     return group > 1 and mask.left >= mask.nk - mask.left
 
 
-def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None):
-    """The fused kernel's bounded walk (common.cuh, WorkWalk, paired), each block's items in walk
-    order, an item being the (query tile, turn) of each of its steps: the lists (ascending query
-    tiles of the block's rows, head by head) and the turns. `rising`: None for the kernel's
-    choice (kernels_rising), else forced (to show what the other order does)."""
+# The fused kernel's query tile rows (_kernels.FUSED_ROWS) and key block.
+FUSED_BMS = sorted({bm for rows in _kernels.FUSED_ROWS.values() for bm in rows})
+FUSED_BN = _kernels.FUSED_BN
+
+
+def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64):
+    """The fused kernel's bounded walk (common.cuh, WorkWalk, paired) with query tiles of `bm`
+    rows, each block's items in walk order, an item being the (query tile, turn) of each of its
+    steps: the lists (ascending query tiles of the block's rows, head by head) and the turns.
+    `rising`: None for the kernel's choice (kernels_rising), else forced (to show what the other
+    order does)."""
     from cuflash._mask import Mask
 
-    bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+    bn = FUSED_BN
     mask = Mask.of(nq, nk, bounds)
     n = -(-nk // bn)
     num_work = heads * n
@@ -484,14 +490,15 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None):
         (1500, 1500, 0, 8, 3, 11),  # grouped heads, odd key blocks a head (rounds split heads)
     ],
 )
+@pytest.mark.parametrize("bm", FUSED_BMS)
 def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
-    nq, nk, right, group, heads, grid
+    nq, nk, right, group, heads, grid, bm
 ):
     # The kernel's walk run step by step: every turn of a tile comes once, every wait ends, and
     # the tiles that get sums are those the dQ pass reads (key_tiles(...).count > 0).
-    bm, bn = _kernels.FUSED_TILES[0], _kernels.FUSED_TILES[1]
+    bn = FUSED_BN
     bounds = right if isinstance(right, tuple) else (None, right)
-    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm)
     queues = [[step for item in walk for step in item] for walk in walks]
     tiles_q = -(-nq // bm)
     turns = {}
@@ -569,13 +576,19 @@ def walk_time(walks, turns: bool = True, add: float = 0.15, epilogue: float = 1.
         (2048, 2048, (None, 0), 1, 8, 64, None),  # one head a group: either order
     ],
 )
-def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads, grid, other):
+@pytest.mark.parametrize("bm", FUSED_BMS)
+def test_the_bounded_turns_follow_the_items_arrival(
+    nq, nk, bounds, group, heads, grid, other, bm
+):
     # With the turns as the kernel takes them the walk ends within 2% of the same walk without
-    # turns (nobody waits long); with grouped heads, the other order at the second step makes
-    # items wait: `other` x the walk without turns, at least.
-    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid)
+    # turns (nobody waits long), with query tiles of either height; with grouped heads, the other
+    # order at the second step makes items wait: `other` x the walk without turns, at least (the
+    # factors of 64-row tiles; 128-row ones: within 0.05 of them).
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm)
     free = walk_time(walks, turns=False)
     assert walk_time(walks) <= 1.02 * free
+    if bm != 64:
+        return
     rising = kernels_rising(mask, group)
     _, flipped = bounded_walk(nq, nk, bounds, group, heads, grid, rising=not rising)
     if other is None:
@@ -584,22 +597,119 @@ def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads
         assert walk_time(flipped) >= other * free
 
 
-def test_the_fused_dkdv_kernels_stages_come_from_the_table_or_the_choice():
-    stages = {
-        hd: _kernels.instance(
-            "dkdv", "fused", "bfloat16", hd, None, schedule="bounded"
-        ).name_expression.split(", ")[4]
+def test_the_fused_dkdv_kernels_tiles_come_from_the_table_or_the_choice():
+    def tiles_of(spec):  # (BM, stages) of attention_backward_fused_tma<Elem, HD, BM, BN, ...>
+        args = spec.name_expression.split(", ")
+        return int(args[2]), int(args[4])
+
+    tiles = {
+        (hd, features): tiles_of(
+            _kernels.instance("dkdv", "fused", "bfloat16", hd, None, features, schedule="bounded")
+        )
         for hd in (64, 128)
+        for features in (0, 1, 2, 4)  # none, LOCAL, SOFTCAP, ALIBI
     }
-    assert stages == {64: "4", 128: "2"}  # _kernels.FUSED_STAGES
+    # _kernels.FUSED_TILES: 128-row query tiles at d = 64, 64-row ones at d = 128
+    assert {tiles[(64, f)] for f in (0, 1, 2, 4)} == {(128, 2)}
+    assert {tiles[(128, f)] for f in (0, 1, 2, 4)} == {(64, 2)}
     p = problem(head_dim=128, seq_q=1000, seq_k=1000)
     three = KernelChoice(tiles=((("dkdv", "fused"), (64, 128, 3)),))
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132, three)
-    assert chosen.dkdv.aligned.spec.name_expression.split(", ")[4] == "3"
-    # other tiles than (64, 128), stages past 2-4, or more shared memory than sm_90 has: refused
-    for hd, tiles in ((128, (64, 64, 2)), (64, (64, 128, 5)), (128, (64, 128, 4))):
+    assert tiles_of(chosen.dkdv.aligned.spec) == (64, 3)
+    # other tiles than (64 or 128 at d = 64, 64 at d = 128; 128), stages past 2-4, or more shared
+    # memory than sm_90 has: refused
+    refused = (
+        (128, (64, 64, 2)),
+        (64, (64, 128, 5)),
+        (128, (64, 128, 4)),
+        (128, (128, 128, 2)),
+        (64, (128, 128, 3)),
+        (64, (96, 128, 2)),
+    )
+    for hd, tiles in refused:
         with pytest.raises(ValueError, match="fused dK/dV tiles"):
             _kernels.instance("dkdv", "fused", "bfloat16", hd, tiles, schedule="bounded")
+
+
+@pytest.mark.parametrize(
+    "head_dim,features,bm",
+    [
+        (64, 0, 128),
+        (64, 1, 128),
+        (64, 2, 128),
+        (64, 4, 64),  # ALiBi alone without a bound (FUSED_SHORT_FOR)
+        (128, 0, 64),
+        (128, 2, 64),
+    ],
+)
+@pytest.mark.parametrize("seq", [1, 200, 1000])
+def test_the_fused_backwards_query_tiles_size_its_counters_sums_and_dq_pass(
+    head_dim, features, bm, seq
+):
+    # One BM through the call: the preprocess zeroes one counter per BM query rows, the workspace
+    # holds that many counters and BM x d sums each, and the dQ pass takes a block of 2 BM threads
+    # per tile; the split kernels' preprocess zeroes none.
+    window = (64, 0) if features & _kernels.FEATURE_LOCAL else (None, None)
+    p = problem(
+        head_dim=head_dim, seq_q=seq, seq_k=seq, window=window,
+        softcap=30.0 if features & _kernels.FEATURE_SOFTCAP else None,
+        alibi=bool(features & _kernels.FEATURE_ALIBI),
+    )
+    assert _dispatch.fused_tiles(p)[0] == bm
+    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+    assert chosen.dkdv.aligned.spec.path == "fused"
+    tiles = -(-seq // bm)
+    assert chosen.preprocess.aligned.dq_tile_rows == chosen.preprocess.unaligned.dq_tile_rows == bm
+    dq = chosen.dq.aligned
+    assert (dq.spec.rows_per_block, dq.spec.threads) == (bm, 2 * bm)
+    assert dq.grid == p.batch * p.heads_q * tiles
+    ws = _dispatch.backward_workspace(p)
+    assert ws.accum - ws.semaphores >= 4 * p.batch * p.heads_q * tiles
+    assert ws.nbytes - ws.accum == p.batch * p.heads_q * tiles * bm * head_dim * 4
+    split = _dispatch.backward(p, strides_of(p), "sm_90a", 132, KernelChoice(backward="split"))
+    assert split.preprocess.aligned.dq_tile_rows == 0
+
+
+def test_the_score_modifiers_whose_128_row_instances_spill_most_take_64_rows():
+    # _kernels.FUSED_SHORT_FOR at d = 64: ALiBi alone without a bound, the softcap with ALiBi
+    # under one (causal or a window); the others, and d = 128, keep the table's tiles
+    def rows(**kw):
+        p = problem(head_dim=64, seq_q=1000, seq_k=1000, heads_q=8, heads_kv=8, **kw)
+        return _dispatch.fused_tiles(p)[0]
+
+    assert rows(window=(None, None), alibi=True) == 64
+    assert rows(window=(None, 0), alibi=True) == 128
+    assert rows(window=(None, None), alibi=True, softcap=5.0) == 128
+    assert rows(window=(None, 0), alibi=True, softcap=5.0) == 64
+    assert rows(window=(100, 0), alibi=True, softcap=5.0) == 64
+    assert rows(window=(100, 0), alibi=True) == 128
+    assert rows(window=(None, 0), softcap=5.0) == 128
+    p = problem(head_dim=128, seq_q=1000, seq_k=1000, window=(None, None), alibi=True)
+    assert _dispatch.fused_tiles(p)[0] == 64
+    # every tile the dispatch takes by default has its instances in all_specs (the compile check)
+    specs = {s.name_expression for s in _kernels.all_specs("sm_90a")}
+    for window in ((None, None), (None, 0), (100, 0)):
+        for alibi in (False, True):
+            for softcap in (None, 5.0):
+                for hd in (64, 128):
+                    p = problem(head_dim=hd, window=window, alibi=alibi, softcap=softcap)
+                    chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)
+                    for launch in (chosen.dkdv.aligned, chosen.dq.aligned):
+                        assert launch.spec.name_expression in specs
+
+
+def test_the_rotated_schedule_takes_64_row_tiles_where_128_give_too_few_query_steps():
+    # d = 64, no bound: 156 key blocks a head need 156 query steps (group x query tiles): 4 x 40
+    # with 64-row tiles, 4 x 20 with 128-row ones
+    p = problem(head_dim=64, seq_q=2500, seq_k=19968, heads_q=4, heads_kv=1, window=(None, None))
+    assert _dispatch.fused_tiles(p)[0] == 64 and _dispatch.fused_backward_fits(p)
+    assert _dispatch.backward(p, strides_of(p), "sm_90a", 132).dkdv.aligned.spec.path == "fused"
+    assert _dispatch.fused_tiles(replace(p, seq_k=4096))[0] == 128
+    # an explicit choice of 128 rows: the fused kernels cannot serve it
+    tall = KernelChoice(tiles=((("dkdv", "fused"), (128, 128, 2)),))
+    assert not _dispatch.fused_backward_fits(p, tall)
+    # past 4 x 40 key blocks: no tiles serve it
+    assert not _dispatch.fused_backward_fits(replace(p, seq_k=20608))
 
 
 # The kernels whose rows go out from registers in 16-byte pieces with no alignment test of their

@@ -53,7 +53,8 @@ def fused_cases(draw):
         group=group,
         seq_q=seq_q,
         seq_k=seq_k,
-        # the buckets of 64 (the consumers split dQ's keys) and 128
+        # the buckets of 64 (128-row query tiles; 64-row ones with a score modifier, where the
+        # consumers split dQ's keys) and 128
         head_dim=draw(st.sampled_from([128, 120, 104, 112, 64, 40, 56])),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
