@@ -209,13 +209,12 @@ FUSED_TILES = {64: (128, 128, 2), 128: (64, 128, 2)}
 FUSED_ROWS = {64: (64, 128), 128: (64,)}
 # 64-row tiles at d = 64 (cuflash/_dispatch.py, fused_tiles): where the rotated schedule needs
 # more query steps than 128-row tiles give, and for the (schedule, features) whose 128-row
-# instances spill most (NVRTC: 168-256 B a thread) and ran slower (H100, bf16, 4k: ALiBi alone
-# 0.65x, causal with the softcap and ALiBi 0.94x; docs/perf/NOTES.md, v30). The bounded schedule
-# with every modifier (192 B) follows the causal one, unmeasured.
+# instances spill most (NVRTC: 168-192 B a thread) and ran slower (H100, bf16, 4k: causal with
+# the softcap and ALiBi 0.94x; docs/perf/NOTES.md, v30). The bounded schedule with every modifier
+# follows the causal one, unmeasured.
 FUSED_SHORT_TILES = {64: (64, 128, 4)}
 FUSED_SHORT_FOR = {
     64: (
-        ("rotated", FEATURE_ALIBI),
         ("bounded", FEATURE_SOFTCAP | FEATURE_ALIBI),
         ("bounded", FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI),
     )

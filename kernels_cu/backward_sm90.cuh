@@ -144,7 +144,10 @@ struct Sm90DqRows {
 // columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
 // products twice: faster than exchanging P^T and dS^T through shared memory between them,
 // docs/perf/NOTES.md, v7).
-template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, int COLS_ = HD>
+// ROWS_AFTER_WAIT: the query rows' terms are formed after the scores' wait (probabilities; the
+// fused kernel's 128-row tiles).
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, int COLS_ = HD,
+          bool ROWS_AFTER_WAIT = false>
 struct Sm90DkdvKeys {
   static constexpr int COLS = COLS_;  // the head-dim columns of dK and dV this warpgroup holds
   static constexpr bool SHARED_KEYS = COLS < HD;
@@ -193,6 +196,15 @@ struct Sm90DkdvKeys {
     const int t = lane & 3;
     fence_accumulators(st);
     fence_accumulators(dpt);
+    if constexpr (ROWS_AFTER_WAIT) {
+      // m0 made to depend on the scores (min(m0, m0 | x) = m0, unsigned; in asm, which the
+      // compiler does not fold), so that the columns' terms (ALiBi's distances: 64 a thread at
+      // BM = 128) are formed after the scores' wait: ptxas computed them ahead of it, beside S^T
+      // and dP^T, and spilled them (the fused d = 64 ALiBi instance: 256 B, then 40 B and 1.15x
+      // the 64-row tiles' speed; docs/perf/NOTES.md, v30).
+      const int bits = m0 | static_cast<int>(__float_as_uint(st[0][0]));
+      asm("min.u32 %0, %0, %1;" : "+r"(m0) : "r"(bits));
+    }
     Bounds queries[2];
     if (masked) queries[0] = mask.queries_of(key0), queries[1] = mask.queries_of(key0 + 8);
     const float key_pos[2] = {float(key0), float(key0 + 8)};

@@ -637,7 +637,8 @@ def test_the_fused_dkdv_kernels_tiles_come_from_the_table_or_the_choice():
         (64, 0, 128),
         (64, 1, 128),
         (64, 2, 128),
-        (64, 4, 64),  # ALiBi alone without a bound (FUSED_SHORT_FOR)
+        (64, 4, 128),
+        (64, 6, 128),  # the softcap with ALiBi, no bound
         (128, 0, 64),
         (128, 2, 64),
     ],
@@ -671,13 +672,13 @@ def test_the_fused_backwards_query_tiles_size_its_counters_sums_and_dq_pass(
 
 
 def test_the_score_modifiers_whose_128_row_instances_spill_most_take_64_rows():
-    # _kernels.FUSED_SHORT_FOR at d = 64: ALiBi alone without a bound, the softcap with ALiBi
-    # under one (causal or a window); the others, and d = 128, keep the table's tiles
+    # _kernels.FUSED_SHORT_FOR at d = 64: the softcap with ALiBi under a right bound (causal or a
+    # window); the others, and d = 128, keep the table's tiles
     def rows(**kw):
         p = problem(head_dim=64, seq_q=1000, seq_k=1000, heads_q=8, heads_kv=8, **kw)
         return _dispatch.fused_tiles(p)[0]
 
-    assert rows(window=(None, None), alibi=True) == 64
+    assert rows(window=(None, None), alibi=True) == 128
     assert rows(window=(None, 0), alibi=True) == 128
     assert rows(window=(None, None), alibi=True, softcap=5.0) == 128
     assert rows(window=(None, 0), alibi=True, softcap=5.0) == 64
