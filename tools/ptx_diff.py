@@ -191,7 +191,9 @@ def demangle(mangled: list[str]) -> dict[str, str]:
     names = {}
     for name, text in zip(mangled, out.splitlines(), strict=True):
         text = text.removeprefix("void ")
-        names[name] = text[: text.rfind("(")] if text.endswith(")") else text
+        text = text[: text.rfind("(")] if text.endswith(")") else text
+        # bool template arguments: _kernels spells them 0 and 1 (the fused kernel's BOUNDED)
+        names[name] = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", text))
     return names
 
 
