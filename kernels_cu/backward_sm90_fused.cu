@@ -324,8 +324,9 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
   static_assert(PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * CONSUMER_THREADS <= 65536,
                 "register file");
-  // 128-row tiles: the rows' terms after the scores' wait (Sm90DkdvKeys::probabilities)
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, HD, SPLIT_ROWS> Keys;
+  // 128-row tiles with ALiBi: the rows' terms after the scores' wait (Sm90DkdvKeys::probabilities;
+  // the other instances were measured without it)
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, HD, SPLIT_ROWS && Mod::HAS_ALIBI> Keys;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* sK = smem;                       // one tile
