@@ -257,7 +257,8 @@ def test_the_fused_backward_serves_dense_and_causal_calls_at_d_128():
     assert chosen.dkdv.aligned.num_blocks == 1024 // 128 and not chosen.dkdv.aligned.paired
     tiles = -(-1000 // 64)
     assert chosen.dq.aligned.grid == p.batch * p.heads_q * tiles
-    # the workspace: D, then a counter per (batch, query head, 64-row tile), then the sums
+    # the workspace: D, then a counter per (batch, query head, query tile: 64 rows at d = 128),
+    # then the sums
     ws = _dispatch.backward_workspace(p)
     delta = p.batch * p.heads_q * p.seq_q * 4
     assert ws.semaphores >= delta and ws.accum >= ws.semaphores + 4 * p.batch * p.heads_q * tiles
