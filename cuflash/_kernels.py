@@ -589,7 +589,8 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
     # (and with 64-row tiles at d = 64 the first consumer's part), lse2 and D per stage, the
-    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), 1 KB alignment slack
+    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), 1 KB of alignment
+    # slack
     row_bytes = hd * 2
     dq_tiles = 2 if bm == 64 and hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4

@@ -144,8 +144,8 @@ struct Sm90DqRows {
 // columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
 // products twice: faster than exchanging P^T and dS^T through shared memory between them,
 // docs/perf/NOTES.md, v7).
-// ROWS_AFTER_WAIT: the query rows' terms are formed after the scores' wait (probabilities; the
-// fused kernel's 128-row tiles).
+// ROWS_AFTER_WAIT: the query rows' terms (S^T's columns) are formed after the scores' wait
+// (probabilities; the fused kernel's 128-row tiles with ALiBi).
 template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, int COLS_ = HD,
           bool ROWS_AFTER_WAIT = false>
 struct Sm90DkdvKeys {
@@ -198,7 +198,7 @@ struct Sm90DkdvKeys {
     fence_accumulators(dpt);
     if constexpr (ROWS_AFTER_WAIT) {
       // m0 made to depend on the scores (min(m0, m0 | x) = m0, unsigned; in asm, which the
-      // compiler does not fold), so that the columns' terms (ALiBi's distances: 64 a thread at
+      // compiler does not fold), so that the query rows' terms (ALiBi's distances: 64 a thread at
       // BM = 128) are formed after the scores' wait: ptxas computed them ahead of it, beside S^T
       // and dP^T, and spilled them (the fused d = 64 ALiBi instance: 256 B, then 40 B and 1.15x
       // the 64-row tiles' speed; docs/perf/NOTES.md, v30).
