@@ -177,8 +177,15 @@ def compile_units(
     for ptx in ptxs:
         entries = mangled_entries(ptx)
         for mangled, expression in demangle(list(entries)).items():
-            hashes[expression] = entries[mangled]
+            hashes[canonical(expression)] = entries[mangled]
     return hashes
+
+
+def canonical(expression: str) -> str:
+    """A name expression with its bool template arguments as 0 and 1: c++filt writes true and
+    false, and _kernels spells some as 0 and 1 (the fused kernel's BOUNDED), others as true and
+    false (the decoding kernels')."""
+    return re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", expression))
 
 
 def demangle(mangled: list[str]) -> dict[str, str]:
@@ -191,9 +198,7 @@ def demangle(mangled: list[str]) -> dict[str, str]:
     names = {}
     for name, text in zip(mangled, out.splitlines(), strict=True):
         text = text.removeprefix("void ")
-        text = text[: text.rfind("(")] if text.endswith(")") else text
-        # bool template arguments: _kernels spells them 0 and 1 (the fused kernel's BOUNDED)
-        names[name] = re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", text))
+        names[name] = text[: text.rfind("(")] if text.endswith(")") else text
     return names
 
 
@@ -218,9 +223,9 @@ def compare(
             hashes.append(compile_units(version, arch, placed, nvcc, jobs))
         wanted = [n for _, members in units for n in members]
         for label, found in zip((v.label for v in versions), hashes, strict=True):
-            if missing := [n for n in wanted if n not in found]:
+            if missing := [n for n in wanted if canonical(n) not in found]:
                 raise RuntimeError(f"{label}: no entry for {missing[:3]} ({len(missing)})")
-        return sorted(n for n in wanted if hashes[0][n] != hashes[1][n])
+        return sorted(n for n in wanted if hashes[0][canonical(n)] != hashes[1][canonical(n)])
 
     names = [n for members in groups.values() for n in members]
     if not alone:
