@@ -77,7 +77,7 @@ def main() -> int:
     extra = "".join(f" {name:>7}" for name in fused_tiles)
     lines = [
         f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
-        f"{'case':<22} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}{extra}  x split  path",
+        f"{'case':<24} {'B':>2} {'N':>6} {'H':>7}  {'fused':>7} {'split':>7}{extra}  x split  path",
     ]
     for label, b, n, nk, hq, hkv, causal, window, alibi, *more in CASES:
         if args.cases not in label:
@@ -109,7 +109,7 @@ def main() -> int:
             pairs = sum(min(nk, i + nk - n + 1) for i in range(n))
         tf = {m: 10 * b * hq * pairs * d / statistics.median(t) / 1e9 for m, t in times.items()}
         lines.append(
-            f"{label:<22} {b:>2} {n:>6} {hq:>3}/{hkv:<3}  {tf['fused']:7.1f} {tf['split']:7.1f}"
+            f"{label:<24} {b:>2} {n:>6} {hq:>3}/{hkv:<3}  {tf['fused']:7.1f} {tf['split']:7.1f}"
             + "".join(f" {tf[name]:7.1f}" for name in fused_tiles)
             + f"  {tf['fused'] / tf['split']:6.3f}  {runs['fused'][1]}"
         )

@@ -206,7 +206,6 @@ def bucket_of(dtype: str, head_dim: int) -> int:
 # packing; a left bound only with the bounded order).
 FUSED_BACKWARD_BUCKETS = (64, 128)
 FUSED_TILES = {64: (128, 128, 2), 128: (64, 128, 2)}
-FUSED_ROWS = {64: (64, 128), 128: (64,)}
 # 64-row tiles at d = 64 (cuflash/_dispatch.py, fused_tiles): where the rotated schedule needs
 # more query steps than 128-row tiles give, and for the (schedule, features) whose 128-row
 # instances spill most (NVRTC: 168-192 B a thread) and ran slower (H100, bf16, 4k: causal with
@@ -218,6 +217,11 @@ FUSED_SHORT_FOR = {
         ("bounded", FEATURE_SOFTCAP | FEATURE_ALIBI),
         ("bounded", FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI),
     )
+}
+# The query tile rows each bucket's kernel has: its table's and its short tiles'.
+FUSED_ROWS = {
+    hd: tuple(sorted({tiles[0], FUSED_SHORT_TILES.get(hd, tiles)[0]}))
+    for hd, tiles in FUSED_TILES.items()
 }
 FUSED_BN = 128
 SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90

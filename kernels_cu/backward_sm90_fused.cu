@@ -11,8 +11,9 @@
 //     two tiles used in turn, so that one barrier a tile orders the consumers);
 //   - each computes dQ_part = dS K (wgmma, A = dS^T read MN-major, B = K read MN-major) for half
 //     of the tile (with 128-row query tiles at d = 64: its 64 queries; with 64-row ones at d = 128:
-//     half of the head dim; at d = 64: every column over its own keys, the second consumer
-//     staging the sum of both parts) and stores it, in fragment order, into a staging tile;
+//     half of the head dim; with 64-row ones at d = 64: every column over its own keys, the second
+//     consumer staging the sum of both parts) and stores it, in fragment order, into a staging
+//     tile;
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
 //     in its turn: the tile's counter says how many items have added theirs. It waits for the

@@ -110,7 +110,8 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(tile_row_max(s, mt, r) * cap_in));
+        const float raw_max = tile_row_max(s, mt, r);
+        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(raw_max * cap_in));
         const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
         alphas[mt][r] = move_row(s, mt, r, m_new, m_scaled, scale_log2, [&](float x, float bias) {
           return fmaf(cap_log2, tanh_fast(x * cap_in), -bias);

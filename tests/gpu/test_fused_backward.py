@@ -1,8 +1,8 @@
 """The fused Hopper backward (kernels_cu/backward_sm90_fused.cu): which calls take it, its results
 against the float64 reference over shapes, grouped heads, layouts, strides, causal masks, sliding
-windows, partial key blocks, the softcap and ALiBi, its bitwise determinism, the ordered additions of dQ's sums
-when a head's key blocks span several waves of the persistent grid, and non-finite inputs (the
-repair of what a masked tile made non-finite). Skipped on GPUs other than sm_90."""
+windows, partial key blocks, the softcap and ALiBi, its bitwise determinism, the ordered additions
+of dQ's sums when a head's key blocks span several waves of the persistent grid, and non-finite
+inputs (the repair of what a masked tile made non-finite). Skipped on GPUs other than sm_90."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def fused_cases(draw):
         group=group,
         seq_q=seq_q,
         seq_k=seq_k,
-        # the buckets of 64 (128-row query tiles; 64-row ones with a score modifier, where the
-        # consumers split dQ's keys) and 128
+        # the buckets of 64 (128-row query tiles; 64-row ones, where the consumers split dQ's keys,
+        # for the softcap with ALiBi under a bound: _kernels.FUSED_SHORT_FOR) and 128
         head_dim=draw(st.sampled_from([128, 120, 104, 112, 64, 40, 56])),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
