@@ -48,9 +48,10 @@ FEATURE_SETS = tuple(range(16))
 # it to mma.sync, where the Hopper kernels spilled 20-112 B with the exact tanh (two MUFU
 # operations); with tanh.approx (v25) 34 of their 160 softcap instances use 8-48 B
 # (local_memory.txt), and the backward runs 2.4-3.2x faster (docs/perf/NOTES.md, v29).
-# Buckets whose TMA backward spills with any of these features (the dK/dV kernel with ALiBi: 36 B
-# at d = 64, 24-76 B at d = 256; packed at d = 256: 20-24 B): those calls take the wgmma or
-# mma.sync backward.
+# Buckets whose TMA backward spills with any of these features (the dK/dV kernel with ALiBi at
+# d = 64: 36 B; packed at d = 256: 20-24 B): those calls take the wgmma or mma.sync backward.
+# ALiBi at d = 256 (24-76 B until v29) builds clean alone and at 16-32 B beside a window or the
+# softcap, and takes the TMA kernels since v30 (2.0-2.7x; docs/perf/NOTES.md, v30).
 _TMA_BACKWARD_SPILLS = {64: FEATURE_ALIBI, 256: FEATURE_PACKED}
 
 # C++ spelling of each dtype as a template argument.
