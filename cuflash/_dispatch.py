@@ -32,7 +32,9 @@ class KernelChoice:
         (cuflash/_kernels.py) of those instances. o_store: "registers" makes the TMA forward write
         O from registers. schedule: the TMA forward's key-tile loop (_kernels.FORWARD_SCHEDULES).
         backward: "fused" runs the fused backward where the call allows it (fused_backward_fits,
-        TMA-readable tensors, path None or "tma"), "split" the dK/dV and dQ kernels.
+        TMA-readable tensors, path None or "tma"), "split" the dK/dV and dQ kernels. walk_heads:
+        the dense TMA forward's and dQ kernel's order of work items (0: decode_paired_work's,
+        C > 0: block-major over chunks of C heads; see walk_heads).
     """
 
     path: str | None = None
@@ -40,6 +42,7 @@ class KernelChoice:
     o_store: str = "tma"
     schedule: str | None = None
     backward: str | None = None  # "fused" or "split": the Hopper backward (where the TMA runs)
+    walk_heads: int | None = None
 
     def tiles_for(self, family: str, path: str) -> tuple[int, ...] | None:
         return dict(self.tiles).get((family, path))
@@ -58,6 +61,7 @@ class Launch:
     vec: bool = False  # 16-byte copies (tile.cuh)
     num_work: int = 0  # persistent kernels: work items
     paired: bool = False  # persistent kernels: items taken in pairs (common.cuh, WorkWalk)
+    walk_heads: int = 0  # dense TMA forward and dQ: decode_chunked_work's chunk, or 0 (walk_heads)
     row_shift: int = 0  # TMA forward: rows of the first block before row 0
     lanes_per_row: int = 32  # preprocess
     dq_tile_rows: int = 0  # preprocess of the fused backward: its query tile rows (its counters)
@@ -73,6 +77,7 @@ class Launch:
             "num_blocks": self.num_blocks,
             "num_work": self.num_work,
             "paired": int(self.paired),
+            "walk_heads": self.walk_heads,
             "row_shift": self.row_shift,
             "lanes_per_row": self.lanes_per_row,
             "dq_tile_rows": self.dq_tile_rows,
@@ -133,7 +138,7 @@ def _tma_forward_launch(
     v_map = ("vt", bucket) if p.dtype == _kernels.FP8_DTYPE else ("v", spec.rows_per_step)
     maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), v_map)
     maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
-    return _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift)
+    return _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift, choice=choice)
 
 
 @dataclass(frozen=True)
@@ -356,7 +361,9 @@ def backward(
             )
             spec = _kernels.instance(family, "tma", p.dtype, p.head_dim, tiles, features(p))
             blocks = _ceil_div(seq, spec.rows_per_block)
-            launch = _persistent_launch(p, spec, heads, blocks, sm_count, maps, family=family)
+            launch = _persistent_launch(
+                p, spec, heads, blocks, sm_count, maps, family=family, choice=choice
+            )
             launches.append(launch)
         dkdv, dq = launches
     return BackwardLaunches(preprocess, Pair(dkdv, unaligned[0]), Pair(dq, unaligned[1]))
@@ -453,14 +460,25 @@ def _persistent_launch(
     maps: tuple,
     row_shift: int = 0,
     family: str = "forward",
+    choice: KernelChoice = DEFAULT,
 ) -> Launch:
     """A TMA kernel's launch: a block per SM walks the work list of `blocks` row blocks of every
     (batch, head). Under a right bound (causal) later blocks see more keys: the walk pairs heavy
-    items with light ones (common.cuh, WorkWalk). Packed calls walk a list that build_work_list
-    writes before the launch (kernels_cu/work_list.cuh): its capacity sets the grid, the count it
-    writes ends the walk."""
+    items with light ones (common.cuh, WorkWalk), unless the forward's or dQ's walk takes the
+    chunked order (walk_heads). Packed calls walk a list that build_work_list writes before the
+    launch (kernels_cu/work_list.cuh): its capacity sets the grid, the count it writes ends the
+    walk."""
     heavy_last = p.mask.bounded_right
     work, sizes, builder = blocks * p.batch * heads, (), None
+    chunk = 0
+    if family in ("forward", "dq") and not p.packed:
+        chunk = choice.walk_heads
+        if chunk is None and not p.mask.local:
+            chunk = 0  # measured under windows only (walk_heads)
+        elif chunk is None:
+            costs = _row_block_costs(p, spec, blocks, row_shift)
+            chunk = walk_heads(costs, p.batch * heads, heavy_last, min(work, sm_count))
+        heavy_last = heavy_last and chunk == 0
     if p.packed:
         # end-aligned forward slots are even already; the list pairs a sequence's own blocks
         blocks += blocks & 1 if heavy_last else 0
@@ -473,6 +491,7 @@ def _persistent_launch(
         vec=True,
         num_work=work,
         paired=heavy_last,
+        walk_heads=chunk,
         row_shift=row_shift,
         maps=maps,
         sizes=sizes,
@@ -507,6 +526,78 @@ def _work_list_builder(
         ),
     )
     return capacity, builder
+
+
+# The chunked order (walk_heads) replaces decode_paired_work's where the simulated walk's busiest
+# block gets at least this much less work.
+WALK_GAIN = 1.03
+# A work item's fixed cost (its first products, the epilogue) in key tiles (docs/perf/NOTES.md,
+# v26: ~2,900 cycles an item at d = 128, a key tile ~3,000).
+ITEM_TILES = 1
+
+
+def _row_block_costs(p: Problem, spec: KernelSpec, blocks: int, row_shift: int) -> list[int]:
+    """Key tiles of each row block (slot) of a head: the work of one item of the forward or dQ
+    (0 for an empty slot), as mask.cuh's key_tiles counts them."""
+    mask, bm, bn = p.mask, spec.rows_per_block, spec.rows_per_step
+    costs = []
+    for b in range(blocks):
+        m0 = b * bm - row_shift
+        tiles = mask.key_tiles(m0, bm, bn).count if m0 + bm > 0 and m0 < p.seq_q else 0
+        costs.append(tiles + ITEM_TILES if tiles else 0)
+    return costs
+
+
+def walk_makespan(costs: list[int], heads: int, paired: bool, chunk: int, grid: int) -> int:
+    """The busiest block's work (in key tiles) when `grid` blocks walk `heads` heads of row
+    blocks costing `costs` (per block of a head) as common.cuh's WorkWalk does: over
+    decode_paired_work's order (chunk 0, in pairs where `paired`) or decode_chunked_work's
+    (chunk > 0, in a snake)."""
+    import numpy as np
+
+    nb = len(costs)
+    item = np.arange(heads * nb, dtype=np.int64)
+    cost = np.asarray(costs, dtype=np.int64)
+    if chunk == 0:
+        pos = item % nb
+        block = np.where(pos & 1, pos >> 1, nb - 1 - (pos >> 1))
+    else:
+        first = item // (chunk * nb) * chunk
+        size = np.minimum(chunk, heads - first)
+        block = nb - 1 - (item - first * nb) // size
+    rounds = item // (2 * grid) if paired else item // grid
+    slot = (item % (2 * grid)) // 2 if paired else item % grid
+    if chunk:
+        slot = np.where(rounds & 1, grid - 1 - slot, slot)
+    return int(np.bincount(slot, cost[block], minlength=grid).max())
+
+
+def walk_heads(costs: list[int], heads: int, paired: bool, grid: int) -> int:
+    """The TMA forward's and dQ kernel's order of work items (Params::walk_heads): 0 for
+    decode_paired_work's, or the smallest chunk of heads whose block-major order (in a snake)
+    gives the busiest block WALK_GAIN less work than that, in the simulated walk (a window makes
+    the first row blocks cheap and the rest equal: strided over whole heads, rounds of like
+    blocks fall on the same SMs). Only where the blocks' costs differ and few items go to an SM
+    (the rounds' unevenness averages out over many)."""
+    items = heads * len(costs)
+    if len(set(costs)) == 1 or items > 64 * grid:
+        return 0
+    current = walk_makespan(costs, heads, paired, 0, grid)
+    best, best_chunk = current, 0
+    chunk = 1
+    while True:
+        chunk = min(chunk, heads)
+        span = walk_makespan(costs, heads, False, chunk, grid)
+        if span * WALK_GAIN <= current and span < best:
+            best, best_chunk = span, chunk
+        if chunk == heads:
+            break
+        chunk *= 2
+    # the smallest chunk within 1% of the best keeps the most of each head's keys in L2
+    for chunk in (1 << i for i in range(heads.bit_length() + 1)):
+        if best_chunk and walk_makespan(costs, heads, False, min(chunk, heads), grid) <= best * 1.01:
+            return min(chunk, heads)
+    return best_chunk
 
 
 def _persistent_grid(work: int, paired: bool, sm_count: int) -> int:

@@ -143,23 +143,46 @@ __host__ __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int
   return c;
 }
 
+// Item `item` of the block-major order over chunks of `chunk` (batch, head) pairs, the host's
+// choice for dense calls where a window makes the row blocks' costs uneven (Params::walk_heads,
+// cuflash/_dispatch.py, walk_heads): every head of a chunk's last row block, then every head's
+// next-to-last one, and so on; the chunks one after the other (the last may hold fewer heads).
+// Under a left bound a row block costs less only near the sequence's start, so this order takes
+// the cheap blocks last, and a round of the walk (in a snake) hands every block items of like
+// cost: the strided walk over decode_paired_work's order gave some blocks 1.2x the mean (a
+// causal window of 4096 keys at 16k, 16 heads: 15.5 items per SM; docs/perf/NOTES.md, v31).
+__host__ __device__ __forceinline__ BlockCoords decode_chunked_work(i64 item, int heads, int batch,
+                                                                  int num_blocks, int chunk) {
+  const i64 per_chunk = static_cast<i64>(chunk) * num_blocks;
+  const i64 first = item / per_chunk * chunk;  // the chunk's first (batch, head)
+  const i64 within = item - first * num_blocks;
+  const i64 total = static_cast<i64>(batch) * heads;
+  const int size = static_cast<int>(total - first < chunk ? total - first : chunk);
+  const int step = static_cast<int>(within / size);
+  const i64 bh = first + (within - static_cast<i64>(step) * size);
+  BlockCoords c;
+  c.block = num_blocks - 1 - step;
+  c.batch = static_cast<int>(bh / heads);
+  c.head = static_cast<int>(bh - static_cast<i64>(c.batch) * heads);
+  return c;
+}
+
 // The first item of this block's step `step` (0, 1, 2, ...) and whether the walk is over. Paired:
 // items 2 i, 2 i + 1 of each round of 2 G (G = gridDim.x); else item i of each round of G. A step
 // may give an item >= num_work (skip it); the walk ends at the first round past the list.
-// SNAKE (packed lists, whose items get cheaper along the list: work_list.cuh):
-// odd rounds go the other way (block b takes position G - 1 - b), so that no block takes the
-// heaviest item of every round; simulated on long-tailed batches, the busiest block's work fell
-// from 1.02-1.05x the mean to 1.005-1.02x (docs/perf/NOTES.md, v19).
+// In a snake (packed lists, whose items get cheaper along the list: work_list.cuh; the chunked
+// order above): odd rounds go the other way (block b takes position G - 1 - b), so that no block
+// takes the heaviest item of every round; simulated on long-tailed batches, the busiest block's
+// work fell from 1.02-1.05x the mean to 1.005-1.02x (docs/perf/NOTES.md, v19).
 template <bool SNAKE = false>
 struct WorkWalk {
   i64 num_work;
   bool paired;
+  bool snake = SNAKE;
   __device__ __forceinline__ i64 item(int step) const {
     const i64 grid = gridDim.x;
-    if constexpr (!SNAKE)
-      return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
     const i64 round = paired ? step >> 1 : step;
-    const i64 slot = (round & 1) ? grid - 1 - blockIdx.x : blockIdx.x;
+    const i64 slot = snake && (round & 1) ? grid - 1 - blockIdx.x : blockIdx.x;
     return paired ? 2 * (grid * round + slot) + (step & 1) : grid * round + slot;
   }
   __device__ __forceinline__ bool done(int step) const {  // the first round past the list

@@ -52,6 +52,7 @@ struct Params {
   int row_shift;      // TMA forward: rows of the first block that lie before row 0 (causal; packed:
                       // each sequence's own, forward_sm90_tma.cu)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
+  int walk_heads;     // dense persistent forward and dQ: 0, or decode_chunked_work's chunk
   int lanes_per_row;  // preprocess: lanes that reduce one row
   int dq_tile_rows;   // preprocess, where dq_semaphores is set: the fused backward's tile rows
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
@@ -171,7 +172,8 @@ struct Seq {
 // Work item -> (row block, head, sequence) of the persistent kernels (the TMA forward, dQ and
 // dK/dV; `heads`: the heads of the list, query heads or key/value heads), with the sequence's
 // rows (Seq). Dense calls: decode_paired_work's list
-// of whole heads (consecutive items share a head's keys in L2). Packed calls: entry `item` of the
+// of whole heads (consecutive items share a head's keys in L2), or decode_chunked_work's order
+// where the host chose it. Packed calls: entry `item` of the
 // list that build_work_list wrote for this launch (work_list.cuh): only the blocks that hold rows
 // of their sequence, each head's blocks together, the sequences with the most key tiles first
 // (paired: heavy with light). An entry is two int4, (sequence, head, block, 0) and the sequence's
@@ -187,11 +189,16 @@ __host__ __device__ __forceinline__ const int4* work_entry(const Params& p, i64 
   return p.work_list + 2 * (p.list_base + 1 + item);  // the header is entry 0
 }
 
-template <bool PACKED>
+// CHUNKABLE: the kernel walks decode_chunked_work's order where the host sets p.walk_heads (the
+// TMA forward and dQ kernels).
+template <bool PACKED, bool CHUNKABLE = false>
 __device__ __forceinline__ WorkItem<PACKED> work_item(const Params& p, i64 item, int heads) {
   WorkItem<PACKED> w;
   if constexpr (!PACKED) {
-    w.c = decode_paired_work(item, heads, p.num_blocks);
+    if (CHUNKABLE && p.walk_heads > 0)
+      w.c = decode_chunked_work(item, heads, p.batch, p.num_blocks, p.walk_heads);
+    else
+      w.c = decode_paired_work(item, heads, p.num_blocks);
     w.seq = Seq<false>::of(p, w.c.batch);
   } else {
     // field by field: a caller's unused fields are then never loaded (whole int4 loads cost

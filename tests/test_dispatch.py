@@ -734,3 +734,61 @@ def test_wide_store_kernels_run_only_on_aligned_chunked_launches(head_dim, pad):
             assert pair.unaligned.spec.source not in WIDE_STORE_SOURCES
             if pair.aligned.spec.source in WIDE_STORE_SOURCES:
                 assert chunked and pair.aligned.vec, (head_dim, pad, pair.aligned.spec.name_expression)
+
+
+def test_the_chunked_walk_under_windows():
+    # A causal window of 4096 keys at 16k, 16 heads, 128-row blocks: the first 32 blocks of a
+    # head are cheap, the rest alike; strided over whole heads (15.5 items an SM) the busiest
+    # block gets 1.17x the mean work. The block-major order over every head, in a snake, evens it
+    # (cuflash/_dispatch.py, walk_heads; kernels_cu/common.cuh, decode_chunked_work).
+    p = problem(batch=1, heads_q=16, heads_kv=16, seq_q=16384, seq_k=16384, head_dim=128,
+                window=(4095, 0))  # fmt: skip
+    launch = _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned
+    assert launch.walk_heads == 16 and not launch.paired and launch.grid == 132
+    costs = _dispatch._row_block_costs(p, launch.spec, launch.num_blocks, launch.row_shift)
+    mean = sum(costs) * 16 / 132
+    assert _dispatch.walk_makespan(costs, 16, True, 0, 132) > 1.15 * mean
+    assert _dispatch.walk_makespan(costs, 16, False, 16, 132) < 1.01 * mean
+    # without a window the order stays decode_paired_work's (in pairs under causal masking); a
+    # choice can ask for either
+    for window in ((None, 0), (None, None)):
+        q = problem(batch=1, heads_q=16, heads_kv=16, seq_q=16384, seq_k=16384, head_dim=128,
+                    window=window)  # fmt: skip
+        assert _dispatch.forward(q, strides_of(q), "sm_90a", 132).aligned.walk_heads == 0
+    choice = KernelChoice(walk_heads=0)
+    assert _dispatch.forward(p, strides_of(p), "sm_90a", 132, choice).aligned.paired
+    choice = KernelChoice(walk_heads=3)
+    assert _dispatch.forward(p, strides_of(p), "sm_90a", 132, choice).aligned.walk_heads == 3
+
+
+def test_walk_makespan_follows_the_kernels_walk():
+    # The simulation against a direct walk of WorkWalk and both decodes (common.cuh), item by
+    # item: every (head, block) once, and each block's sum of costs.
+    costs, heads, grid = [0, 3, 5, 7, 7, 7, 7], 5, 4
+    nb = len(costs)
+    for paired, chunk in ((True, 0), (False, 0), (False, 1), (False, 2), (False, 5)):
+        loads, seen = [0] * grid, set()
+        for block_id in range(grid):
+            step = 0
+            while True:
+                rnd = step >> 1 if paired else step
+                first = 2 * grid * rnd if paired else grid * rnd
+                if first >= heads * nb:
+                    break
+                slot = grid - 1 - block_id if chunk and rnd & 1 else block_id
+                item = 2 * (grid * rnd + slot) + (step & 1) if paired else grid * rnd + slot
+                step += 1
+                if item >= heads * nb:
+                    continue
+                if chunk:
+                    first_bh = item // (chunk * nb) * chunk
+                    size = min(chunk, heads - first_bh)
+                    within = item - first_bh * nb
+                    bh, block = first_bh + within % size, nb - 1 - within // size
+                else:
+                    bh, pos = divmod(item, nb)
+                    block = pos >> 1 if pos & 1 else nb - 1 - (pos >> 1)
+                seen.add((bh, block))
+                loads[block_id] += costs[block]
+        assert len(seen) == heads * nb
+        assert _dispatch.walk_makespan(costs, heads, paired, chunk, grid) == max(loads)

@@ -7,8 +7,9 @@ grouped heads and causal masking, through both the 16-byte path (aligned) and th
 path (unaligned views), with a sliding window and with every score modifier (the feature
 instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
 before row 0 and meets a NaN key (the repair path). --all-buckets covers every
-head-dim instance; --forward-tiles and --register-store choose other TMA forwards (an explicit
-KernelChoice, cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
+head-dim instance; --forward-tiles and --register-store choose other TMA forwards, --walk-heads
+another order of the persistent forward's and dQ's work items (an explicit KernelChoice,
+cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
 (cuflash.attention_varlen_*: every dtype, the head dims above, causal, windows, softcap, ALiBi,
 aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, malformed);
 --cases kvcache runs attention_with_kvcache (every dtype: the decoding kernels for fp16 / bf16 with
@@ -243,6 +244,9 @@ def main() -> int:
         "--register-store", action="store_true", help="the TMA forward writes O from registers"
     )
     parser.add_argument(
+        "--walk-heads", type=int, default=None, help="the TMA forward's and dQ's order of items"
+    )
+    parser.add_argument(
         "--cases",
         choices=["dense", "varlen", "kvcache", "fp8", "all"],
         default="dense",
@@ -253,6 +257,7 @@ def main() -> int:
     choice = KernelChoice(
         tiles=((("forward", "tma"), tiles),) if tiles else (),
         o_store="registers" if args.register_store else "tma",
+        walk_heads=args.walk_heads,
     )
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)

@@ -305,3 +305,42 @@ def test_every_forward_schedule_gives_the_same_bits(
     assert not torch.isnan(o_serial).any()
     for schedule, (o, lse) in results.items():
         assert torch.equal(o, o_serial) and torch.equal(lse, lse_serial), schedule
+
+
+@pytest.mark.parametrize(
+    "batch,heads,seq,head_dim,causal,window",
+    [
+        (1, 16, 2100, 128, True, (700, 0)),  # the first blocks cheap, the rest alike
+        (2, 5, 1500, 64, False, (300, 200)),  # two-sided: cheap blocks at both ends
+        (3, 3, 900, 256, True, (250, 0)),  # d = 256: the split dQ kernel too
+        (1, 40, 700, 128, True, (130, 0)),  # more heads than a chunk, a partial last chunk
+    ],
+)
+def test_every_walk_gives_the_same_bits(batch, heads, seq, head_dim, causal, window):
+    # The persistent kernels' order of work items (cuflash/_dispatch.py, walk_heads; the
+    # TMA forward and the split dQ kernel): decode_paired_work's and the block-major order over
+    # chunks of 1, 3 and 16 heads visit every item once (an unwritten row of O or dQ keeps its
+    # NaN poison, a repeated one races) and compute each alike, so they give the same bits; the
+    # library's choice passes the policy against the float64 reference.
+    case = Case(batch, heads, heads, seq, seq, head_dim, "bfloat16", "bshd", causal, None,
+                "contiguous", 29, window)  # fmt: skip
+    check_case(case, "walks")
+    q, k, v = inputs_of(case)
+    do = torch.randn_like(q)
+    results = {}
+    for chunk in (0, 1, 3, 16):
+        choice = KernelChoice(walk_heads=chunk)
+        o, lse, fwd = testing.attention_forward_with(
+            choice, q, k, v, causal=causal, window=window
+        )
+        assert fwd.runs.aligned.launch.walk_heads == chunk
+        dq, dk, dv, bwd = testing.attention_backward_with(
+            choice, do, q, k, v, o, lse, causal=causal, window=window
+        )
+        if head_dim == 256:  # the split kernels: dQ walks the same order
+            dq_launch = bwd.dq.aligned.launch
+            assert dq_launch.spec.path == "tma" and dq_launch.walk_heads == chunk
+        results[chunk] = (o, lse, dq, dk, dv)
+    assert not torch.isnan(results[0][0]).any() and not torch.isnan(results[0][2]).any()
+    for chunk, tensors in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, results[0])), chunk
