@@ -109,8 +109,9 @@ def forward(p: Problem, strides: Strides, arch: str, sm_count: int, choice=DEFAU
         return Pair(table, unaligned)
     if not _tma_readable(p, strides, ("q", "k", "v")):
         return Pair(table, unaligned)
+    row_keys = min(p.mask.left + p.mask.right + 1, p.seq_k) if p.mask.local else None
     tiles = choice.tiles_for("forward", "tma") or _kernels.default_tiles(
-        "forward", "tma", p.dtype, p.head_dim, p.seq_q, features(p)
+        "forward", "tma", p.dtype, p.head_dim, p.seq_q, features(p), row_keys
     )
     return Pair(_tma_forward_launch(p, strides, sm_count, choice, tiles), unaligned)
 

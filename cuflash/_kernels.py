@@ -251,6 +251,12 @@ _TMA_TILES_FOR = {
     ("forward", 128): (4096, (128, 160, 2), frozenset({0, FEATURE_SOFTCAP})),
     ("forward", 256): (0, (128, 80, 2), frozenset({0, FEATURE_SOFTCAP, FEATURE_ALIBI})),
 }
+# Windows of at most this many keys a row keep the table's tiles where _TMA_TILES_FOR has taller
+# ones: {(family, bucket): keys}. d = 64 (H100, bf16, 4k and 16k, causal and two-sided windows,
+# the walk of cuflash/_dispatch.py, walk_heads): (128, 128) with turns ran 1.08-1.09x (192, 128)
+# serial at 256 keys, 1.04-1.06x at 512, 0.98-1.00x at 1024 and 0.90-0.94x at 4096
+# (docs/perf/NOTES.md, v31).
+_NARROW_WINDOW_KEYS = {("forward", 64): 512}
 # Instances with softcap or ALiBi whose table tiles spill even at 255 registers take these:
 # {(family, path, bucket): tiles}.
 _SCORE_MOD_TILES = {("dkdv", "mma", 192): (32, 32, 4, 2)}  # (64, 32, 4, 2): 8 B on sm_90a
@@ -360,10 +366,17 @@ def paths(family: str, dtype: str, head_dim: int, arch: str, features: int = 0) 
 
 
 def default_tiles(
-    family: str, path: str, dtype: str, head_dim: int, seq_q: int = 0, features: int = 0
+    family: str,
+    path: str,
+    dtype: str,
+    head_dim: int,
+    seq_q: int = 0,
+    features: int = 0,
+    row_keys: int | None = None,
 ) -> tuple:
     """The table's tiles of an instance (for `seq_q` query rows, where long sequences take
-    others; for `features`, where score modifiers need smaller ones)."""
+    others; for `features`, where score modifiers need smaller ones; `row_keys`: the most keys a
+    query row sees, where a narrow window keeps the short sequences' tiles: _NARROW_WINDOW_KEYS)."""
     bucket = head_dim_bucket(head_dim)
     if features & FEATURE_SOFTCAP and (family, path, bucket) in _SCORE_MOD_TILES:
         return _SCORE_MOD_TILES[(family, path, bucket)]
@@ -374,7 +387,8 @@ def default_tiles(
         return _PACKED_SCORE_MOD_TILES[(family, path, bucket)]
     if path == "tma":
         rows, tiles, feature_sets = _TMA_TILES_FOR.get((family, bucket), (0, None, ()))
-        if seq_q >= rows and features in feature_sets:
+        narrow = row_keys is not None and row_keys <= _NARROW_WINDOW_KEYS.get((family, bucket), 0)
+        if seq_q >= rows and features in feature_sets and not narrow:
             return tiles
         return _TMA_TILES[family][bucket]
     if path == "fused":

@@ -104,6 +104,10 @@ def test_tma_instances():
     assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2047) == (128, 128, 2)
     long_tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2048)
     assert long_tiles == (192, 128, 2)
+    # ... but not under a window of at most 512 keys a row
+    local = _kernels.FEATURE_LOCAL
+    for keys, tiles in ((256, (128, 128, 2)), (512, (128, 128, 2)), (513, (192, 128, 2))):
+        assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 8192, local, keys) == tiles
     # ... and at d = 128 longer key tiles from 4096 rows, dense or with the softcap only, with O
     # from registers (no room for the staging tile)
     for features in (0, _kernels.FEATURE_SOFTCAP):
