@@ -3,9 +3,13 @@ against PyTorch FlexAttention (compiled, the same mask_mod / score_mod) and JAX'
 with a local window, where they run. bf16 throughout.
 
 TFLOP/s count the visible (query, key) pairs only: forward 4 * B * H * pairs * d, backward 2.5
-times that (docs/DESIGN.md). Writes score_mods.json and score_mods_table.txt under --out.
+times that (docs/DESIGN.md). Every timing runs back to back for at least 200 ms (the GPU's clock
+falls within that under these kernels' power: the window forward at 16k ran at 1.98 GHz over 20
+ms and 1.5-1.8 GHz over 1.5 s; docs/perf/NOTES.md, v31), JAX's too. --baseline DIR adds another
+checkout's cuflash (its forward and backward, and the ratios). Writes score_mods.json and
+score_mods_table.txt under --out.
 
-    python bench/bench_score_mods.py [--out DIR] [--quick]
+    python bench/bench_score_mods.py [--out DIR] [--quick] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import time_ms  # noqa: E402
+from bench_attention import load_baseline, time_ms  # noqa: E402
 
 import cuflash  # noqa: E402
 
@@ -41,10 +45,10 @@ def inputs(b: int, n: int, h: int, d: int, gen: torch.Generator):
     return q, k, v, do
 
 
-def cuflash_times(q, k, v, do, options) -> tuple[float, float]:
-    o, lse = cuflash.attention_forward(q, k, v, **options)
-    fwd = time_ms(lambda: cuflash.attention_forward(q, k, v, **options), 3, 10, 200)
-    bwd = time_ms(lambda: cuflash.attention_backward(do, q, k, v, o, lse, **options), 3, 10, 200)
+def cuflash_times(q, k, v, do, options, module=cuflash) -> tuple[float, float]:
+    o, lse = module.attention_forward(q, k, v, **options)
+    fwd = time_ms(lambda: module.attention_forward(q, k, v, **options), 3, 10, 200)
+    bwd = time_ms(lambda: module.attention_backward(do, q, k, v, o, lse, **options), 3, 10, 200)
     return fwd, bwd
 
 
@@ -98,12 +102,15 @@ def jax_cudnn_forward(q, k, v, window) -> float:
         )
     )
     f(qj, kj, vj).block_until_ready()
-    reps = 20
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = f(qj, kj, vj)
-    out.block_until_ready()
-    return (time.perf_counter() - start) / reps * 1e3
+    reps, elapsed = 10, 0.0
+    while elapsed < 0.2:  # as long as time_ms's timings: the clock settles alike
+        reps *= 2
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = f(qj, kj, vj)
+        out.block_until_ready()
+        elapsed = time.perf_counter() - start
+    return elapsed / reps * 1e3
 
 
 def tflops(b: int, h: int, pairs: int, d: int, ms: float, backward: bool = False) -> float:
@@ -115,7 +122,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--quick", action="store_true", help="skip N = 32k")
     parser.add_argument("--peers", nargs="*", default=["flex", "jax"])
+    parser.add_argument("--baseline", default=None, help="another checkout's cuflash too")
     args = parser.parse_args(argv)
+    base = load_baseline(args.baseline, "cuflash_baseline") if args.baseline else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
 
@@ -131,6 +140,10 @@ def main(argv=None) -> int:
             "cuflash_fwd": tflops(b, h, pairs, d, fwd),
             "cuflash_bwd": tflops(b, h, pairs, d, bwd, True),
         }
+        if base is not None:
+            b_fwd, b_bwd = cuflash_times(q, k, v, do, options, base)
+            row["base_fwd"] = tflops(b, h, pairs, d, b_fwd)
+            row["base_bwd"] = tflops(b, h, pairs, d, b_bwd, True)
         if "flex" in peers:
             try:
                 f_fwd, f_bwd = flex_times(q, k, v, do, window, causal, softcap, slopes)
@@ -163,7 +176,8 @@ def main(argv=None) -> int:
     (out / "score_mods.json").write_text(json.dumps(rows, indent=1))
     lines = [
         f"{'TFLOP/s (visible pairs), bf16':34s} {'fwd':>7s} {'bwd':>7s} {'flex f':>7s} "
-        f"{'flex b':>7s} {'jax f':>7s} {'x flex f':>8s} {'x flex b':>8s}"
+        f"{'flex b':>7s} {'jax f':>7s} {'x flex f':>8s} {'x flex b':>8s} {'x jax f':>8s}"
+        + (f" {'base f':>7s} {'base b':>7s} {'x base f':>8s} {'x base b':>8s}" if base else "")
     ]
     for r in rows:
 
@@ -171,11 +185,18 @@ def main(argv=None) -> int:
             return r.get(key, float("nan"))
 
         fwd, bwd = get("cuflash_fwd"), get("cuflash_bwd")
-        lines.append(
+        line = (
             f"{r['name']:34s} {fwd:7.1f} {bwd:7.1f} "
             f"{get('flex_fwd'):7.1f} {get('flex_bwd'):7.1f} {get('jax_cudnn_fwd'):7.1f} "
-            f"{fwd / get('flex_fwd'):8.2f} {bwd / get('flex_bwd'):8.2f}"
+            f"{fwd / get('flex_fwd'):8.2f} {bwd / get('flex_bwd'):8.2f} "
+            f"{fwd / get('jax_cudnn_fwd'):8.2f}"
         )
+        if base:
+            line += (
+                f" {get('base_fwd'):7.1f} {get('base_bwd'):7.1f}"
+                f" {fwd / get('base_fwd'):8.2f} {bwd / get('base_bwd'):8.2f}"
+            )
+        lines.append(line)
     table = "\n".join(lines)
     (out / "score_mods_table.txt").write_text(table + "\n")
     print(table)

@@ -9,7 +9,8 @@ consumer warpgroups against the softcap's MUFU latency; longer key tiles at d = 
 Each config is BMxBNxSTAGES:SCHEDULE, with ":reg" for O written from registers instead of
 through a staging tile and TMA stores, or "table" for the library's own choice. bf16, N = 4096
 (--seq), B = 16384 / N, H = 2048 / d, bshd; dense and softcap 30, not causal; dense causal too
-with --causal; --extra window alibi: a causal window of 1024 keys, ALiBi. TFLOP/s as
+with --causal; --extra window alibi: a causal window of 1024 keys, ALiBi; --windows L ...: causal
+windows (L, 0) and two-sided ones (L / 2, L / 2) (--windows-only: no other rows). TFLOP/s as
 bench_attention.py counts them, on the visible pairs (the median over rounds). A config that
 a checkout cannot build or launch is reported and skipped. --compile-only builds the plans of
 every N-th (tree, config) pair into CuPy's disk cache and exits: run the shards in parallel
@@ -56,15 +57,27 @@ def plan_of(module, config: str, q, k, v, options: dict):
     return lambda: plan(*pointers)
 
 
-def variants(n: int, heads: int, extra: list[str], causal: bool, gen) -> list[tuple]:
+def window_pairs(n: int, left: int, right: int) -> int:
+    """Visible query-key pairs of one head of n queries and n keys under window (left, right)."""
+    return sum(min(i + right, n - 1) - max(i - left, 0) + 1 for i in range(n))
+
+
+def variants(
+    n: int, heads: int, extra: list[str], causal: bool, gen, windows=(), windows_only=False
+) -> list[tuple]:
     """(label, options, visible query-key pairs per head) of the timed rows at length n."""
     rows = [("dense", {}, n * n), ("softcap 30", {"softcap": 30.0}, n * n)]
     if causal:
         rows.append(("dense causal", {"causal": True}, n * n // 2))  # as the benchmark counts
+    if windows_only:
+        rows = []
     if "window" in extra:  # a causal window of 1024 keys: row i sees min(i, 1023) + 1 keys
-        left = 1023
-        pairs = sum(min(i, left) + 1 for i in range(n))
-        rows.append(("window 1023 causal", {"causal": True, "window": (left, 0)}, pairs))
+        windows = (1023, *windows)
+    for left in dict.fromkeys(windows):  # causal windows, then two-sided ones of the same width
+        pairs = window_pairs(n, left, 0)
+        rows.append((f"window {left} causal", {"causal": True, "window": (left, 0)}, pairs))
+        pairs = window_pairs(n, left // 2, left // 2)
+        rows.append((f"window {left // 2},{left // 2}", {"window": (left // 2, left // 2)}, pairs))
     if "alibi" in extra:
         slopes = torch.rand(heads, device="cuda", generator=gen) * 0.1
         rows.append(("alibi", {"alibi_slopes": slopes}, n * n))
@@ -81,6 +94,10 @@ def main() -> int:
     parser.add_argument(
         "--extra", nargs="*", default=[], choices=["window", "alibi"], help="rows with these too"
     )
+    parser.add_argument(
+        "--windows", nargs="*", type=int, default=[], help="window rows: (L, 0) causal, (L/2, L/2)"
+    )
+    parser.add_argument("--windows-only", action="store_true", help="no dense or softcap rows")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--compile-only", action="store_true")
@@ -100,7 +117,7 @@ def main() -> int:
             torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(3)
         )
-        for row_label, options, pairs in variants(n, h, args.extra, args.causal, gen):
+        for row_label, options, pairs in variants(n, h, args.extra, args.causal, gen, args.windows, args.windows_only):
             flops = 4 * b * h * pairs * d
             methods = {}
             for name, module in modules.items():
