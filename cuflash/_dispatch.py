@@ -474,8 +474,10 @@ def _persistent_launch(
     chunk = 0
     if family in ("forward", "dq") and not p.packed:
         chunk = choice.walk_heads
-        if chunk is None and not p.mask.local:
-            chunk = 0  # measured under windows only (walk_heads)
+        if not p.mask.local:  # only the windowed instances have the chunked order (walk_heads)
+            if chunk:
+                raise ValueError(f"walk_heads {chunk} needs a window (a left bound)")
+            chunk = 0
         elif chunk is None:
             costs = _row_block_costs(p, spec, blocks, row_shift)
             chunk = walk_heads(costs, p.batch * heads, heavy_last, min(work, sm_count))
@@ -574,12 +576,14 @@ def walk_makespan(costs: list[int], heads: int, paired: bool, chunk: int, grid: 
 
 
 def walk_heads(costs: list[int], heads: int, paired: bool, grid: int) -> int:
-    """The TMA forward's and dQ kernel's order of work items (Params::walk_heads): 0 for
-    decode_paired_work's, or the smallest chunk of heads whose block-major order (in a snake)
-    gives the busiest block WALK_GAIN less work than that, in the simulated walk (a window makes
-    the first row blocks cheap and the rest equal: strided over whole heads, rounds of like
-    blocks fall on the same SMs). Only where the blocks' costs differ and few items go to an SM
-    (the rounds' unevenness averages out over many)."""
+    """The TMA forward's and dQ kernel's order of work items under a window (Params::walk_heads;
+    their windowed instances only): 0 for decode_paired_work's, or the smallest chunk of heads
+    whose block-major order (in a snake) gives the busiest block WALK_GAIN less work than that, in
+    the simulated walk (a window makes the first row blocks cheap and the rest equal: strided
+    over whole heads, rounds of like blocks fall on the same SMs). Only where the blocks' costs
+    differ and few items go to an SM (the rounds' unevenness averages out over many). Without a
+    window the order stays decode_paired_work's: compiled into every instance, the chunked
+    decode cost the d = 128 forward 2% (docs/perf/NOTES.md, v31)."""
     items = heads * len(costs)
     if len(set(costs)) == 1 or items > 64 * grid:
         return 0

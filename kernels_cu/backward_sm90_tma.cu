@@ -74,8 +74,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   TmaDqBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDqBarriers<BUFS, STAGES>*>(s_delta + BUFS * BM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Windowed instances walk decode_chunked_work's order where the host asks (Params::walk_heads)
+  constexpr bool CHUNKABLE = Features<FEATURES>::LOCAL && !PACKED;
   const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0,
-                            PACKED || p.walk_heads > 0};  // common.cuh
+                            PACKED || (CHUNKABLE && p.walk_heads > 0)};  // common.cuh
 
   if (threadIdx.x == 0) {
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
@@ -92,7 +94,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      const WorkItem<PACKED> work = work_item<PACKED, true>(p, item, p.heads_q);
+      const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
       const BlockCoords bc = work.c;
       const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = bc.block * BM;
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // The item's coordinates are decoded again where used, and the sequence's offsets looked up
     // again for the epilogue (as in the dK/dV kernel); its extents (registers: packed) go through
     // the loop in the mask.
-    const WorkItem<PACKED> work = work_item<PACKED, true>(p, item, p.heads_q);
+    const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
     const BlockCoords item_bc = work.c;
     const Extents<PACKED> ext = work.seq.ext;
     const int m0 = item_bc.block * BM;
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
     // Epilogue: dQ = scale * acc, from registers.
     const float scale = static_cast<float>(p.scale);
-    const WorkItem<PACKED> again = work_item<PACKED, true>(p, item, p.heads_q);
+    const WorkItem<PACKED> again = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
     const BlockCoords bc = again.c;
     const Seq<PACKED> seq = again.seq;
     unsigned short* dq_head = seq.template q_head<unsigned short>(p.dq, bc.head);

@@ -181,8 +181,10 @@ struct WorkWalk {
   bool snake = SNAKE;
   __device__ __forceinline__ i64 item(int step) const {
     const i64 grid = gridDim.x;
+    if (!snake)
+      return paired ? 2 * grid * (step >> 1) + 2 * blockIdx.x + (step & 1) : grid * step + blockIdx.x;
     const i64 round = paired ? step >> 1 : step;
-    const i64 slot = snake && (round & 1) ? grid - 1 - blockIdx.x : blockIdx.x;
+    const i64 slot = (round & 1) ? grid - 1 - blockIdx.x : blockIdx.x;
     return paired ? 2 * (grid * round + slot) + (step & 1) : grid * round + slot;
   }
   __device__ __forceinline__ bool done(int step) const {  // the first round past the list

@@ -189,8 +189,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // The parameters are read where they are used (Tr::Mask::of(p) builds the mask there): copies
   // held through the loops cost the consumers registers.
+  // Windowed instances walk decode_chunked_work's order where the host asks (Params::walk_heads)
+  constexpr bool CHUNKABLE = Features<FEATURES>::LOCAL && !PACKED;
   const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0,
-                            PACKED || p.walk_heads > 0};  // common.cuh
+                            PACKED || (CHUNKABLE && p.walk_heads > 0)};  // common.cuh
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
@@ -214,7 +216,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      const WorkItem<PACKED> work = work_item<PACKED, true>(p, item, p.heads_q);
+      const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
       const BlockCoords bc = work.c;
       const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
@@ -291,7 +293,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
     if (item >= walk.num_work) continue;
-    const WorkItem<PACKED> work = work_item<PACKED, true>(p, item, p.heads_q);
+    const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
     const BlockCoords bc = work.c;
     const Seq<PACKED> seq = work.seq;
     blk.m0 = slot_row0<BM>(p, seq, bc.block);

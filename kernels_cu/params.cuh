@@ -190,7 +190,8 @@ __host__ __device__ __forceinline__ const int4* work_entry(const Params& p, i64 
 }
 
 // CHUNKABLE: the kernel walks decode_chunked_work's order where the host sets p.walk_heads (the
-// TMA forward and dQ kernels).
+// TMA forward's and dQ kernel's windowed instances; the others keep v30's code, whose d = 128
+// forward read 2% slower with the decode compiled in: docs/perf/NOTES.md, v31).
 template <bool PACKED, bool CHUNKABLE = false>
 __device__ __forceinline__ WorkItem<PACKED> work_item(const Params& p, i64 item, int heads) {
   WorkItem<PACKED> w;

@@ -759,6 +759,8 @@ def test_the_chunked_walk_under_windows():
     assert _dispatch.forward(p, strides_of(p), "sm_90a", 132, choice).aligned.paired
     choice = KernelChoice(walk_heads=3)
     assert _dispatch.forward(p, strides_of(p), "sm_90a", 132, choice).aligned.walk_heads == 3
+    with pytest.raises(ValueError, match="walk_heads 3 needs a window"):
+        _dispatch.forward(q, strides_of(q), "sm_90a", 132, choice)  # the windowed instances only
 
 
 def test_walk_makespan_follows_the_kernels_walk():
