@@ -8,8 +8,8 @@ path (unaligned views), with a sliding window and with every score modifier (the
 instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
 before row 0 and meets a NaN key (the repair path). --all-buckets covers every
 head-dim instance; --forward-tiles and --register-store choose other TMA forwards, --walk-heads
-another order of the persistent forward's and dQ's work items (an explicit KernelChoice,
-cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
+another order of the persistent forward's and dQ's work items in the windowed calls (an explicit
+KernelChoice, cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
 (cuflash.attention_varlen_*: every dtype, the head dims above, causal, windows, softcap, ALiBi,
 aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, malformed);
 --cases kvcache runs attention_with_kvcache (every dtype: the decoding kernels for fp16 / bf16 with
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -77,6 +78,8 @@ def run(
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk), kv_heads)
     options = mod_options(causal, mods, gen, (2, 4))
+    if "window" not in options:  # the chunked walk is the windowed instances' (walk_heads)
+        choice = replace(choice, walk_heads=None)
     o, lse, _ = testing.attention_forward_with(choice, q, k, v, **options)
     dq, dk, dv, _ = testing.attention_backward_with(choice, do, q, k, v, o, lse, **options)
     torch.cuda.synchronize()
@@ -93,7 +96,7 @@ def run_nan_key_before_row_0(choice: KernelChoice, dtype: torch.dtype, d: int) -
         torch.randn(1, n, 2, d, generator=gen, device="cuda").to(dtype) for n in (100, 300, 300)
     )
     k[0, 150, 1, 0] = float("nan")
-    testing.attention_forward_with(choice, q, k, v, causal=True)
+    testing.attention_forward_with(replace(choice, walk_heads=None), q, k, v, causal=True)
     torch.cuda.synchronize()
 
 
@@ -244,7 +247,10 @@ def main() -> int:
         "--register-store", action="store_true", help="the TMA forward writes O from registers"
     )
     parser.add_argument(
-        "--walk-heads", type=int, default=None, help="the TMA forward's and dQ's order of items"
+        "--walk-heads",
+        type=int,
+        default=None,
+        help="the TMA forward's and dQ's order of items (in the windowed calls)",
     )
     parser.add_argument(
         "--cases",
