@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from . import _kernels, _tma
 from ._kernels import KernelSpec
 from ._problem import Problem
@@ -556,8 +558,6 @@ def walk_makespan(costs: list[int], heads: int, paired: bool, chunk: int, grid: 
     blocks costing `costs` (per block of a head) as common.cuh's WorkWalk does: over
     decode_paired_work's order (chunk 0, in pairs where `paired`) or decode_chunked_work's
     (chunk > 0, in a snake)."""
-    import numpy as np
-
     nb = len(costs)
     item = np.arange(heads * nb, dtype=np.int64)
     cost = np.asarray(costs, dtype=np.int64)
@@ -588,21 +588,13 @@ def walk_heads(costs: list[int], heads: int, paired: bool, grid: int) -> int:
     if len(set(costs)) == 1 or items > 64 * grid:
         return 0
     current = walk_makespan(costs, heads, paired, 0, grid)
-    best, best_chunk = current, 0
-    chunk = 1
-    while True:
-        chunk = min(chunk, heads)
-        span = walk_makespan(costs, heads, False, chunk, grid)
-        if span * WALK_GAIN <= current and span < best:
-            best, best_chunk = span, chunk
-        if chunk == heads:
-            break
-        chunk *= 2
+    chunks = sorted({min(1 << i, heads) for i in range(heads.bit_length() + 1)})
+    spans = {chunk: walk_makespan(costs, heads, False, chunk, grid) for chunk in chunks}
+    best = min(spans.values())
+    if best * WALK_GAIN > current:
+        return 0
     # the smallest chunk within 1% of the best keeps the most of each head's keys in L2
-    for chunk in (1 << i for i in range(heads.bit_length() + 1)):
-        if best_chunk and walk_makespan(costs, heads, False, min(chunk, heads), grid) <= best * 1.01:
-            return min(chunk, heads)
-    return best_chunk
+    return min(chunk for chunk, span in spans.items() if span <= best * 1.01)
 
 
 def _persistent_grid(work: int, paired: bool, sm_count: int) -> int:
