@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import load_baseline  # noqa: E402
+from bench_score_mods import visible_pairs  # noqa: E402
 from probe_forward import row  # noqa: E402
 
 import cuflash  # noqa: E402
@@ -57,11 +58,6 @@ def plan_of(module, config: str, q, k, v, options: dict):
     return lambda: plan(*pointers)
 
 
-def window_pairs(n: int, left: int, right: int) -> int:
-    """Visible query-key pairs of one head of n queries and n keys under window (left, right)."""
-    return sum(min(i + right, n - 1) - max(i - left, 0) + 1 for i in range(n))
-
-
 def variants(
     n: int, heads: int, extra: list[str], causal: bool, gen, windows=(), windows_only=False
 ) -> list[tuple]:
@@ -74,9 +70,9 @@ def variants(
     if "window" in extra:  # a causal window of 1024 keys: row i sees min(i, 1023) + 1 keys
         windows = (1023, *windows)
     for left in dict.fromkeys(windows):  # causal windows, then two-sided ones of the same width
-        pairs = window_pairs(n, left, 0)
+        pairs = visible_pairs(n, (left, 0), True)
         rows.append((f"window {left} causal", {"causal": True, "window": (left, 0)}, pairs))
-        pairs = window_pairs(n, left // 2, left // 2)
+        pairs = visible_pairs(n, (left // 2, left // 2), False)
         rows.append((f"window {left // 2},{left // 2}", {"window": (left // 2, left // 2)}, pairs))
     if "alibi" in extra:
         slopes = torch.rand(heads, device="cuda", generator=gen) * 0.1

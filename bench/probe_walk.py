@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_forward import row  # noqa: E402
-from probe_forward_tiles import window_pairs  # noqa: E402
+from bench_score_mods import visible_pairs  # noqa: E402
 
 from cuflash import _dispatch, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> int:
         )
         causal = window[1] == 0
         options = {"causal": causal, "window": window}
-        pairs = window_pairs(n, window[0], window[1])
+        pairs = visible_pairs(n, window, causal)
         flops = 4 * b * h * pairs * d
         methods, balance = {}, []
         for chunk in [None, *args.chunks]:

@@ -543,14 +543,11 @@ ITEM_TILES = 1
 
 def _row_block_costs(p: Problem, spec: KernelSpec, blocks: int, row_shift: int) -> list[int]:
     """Key tiles of each row block (slot) of a head: the work of one item of the forward or dQ
-    (0 for an empty slot), as mask.cuh's key_tiles counts them."""
+    (0 for an empty slot: key_tiles sees none for rows outside [0, Nq)), as mask.cuh's
+    key_tiles counts them."""
     mask, bm, bn = p.mask, spec.rows_per_block, spec.rows_per_step
-    costs = []
-    for b in range(blocks):
-        m0 = b * bm - row_shift
-        tiles = mask.key_tiles(m0, bm, bn).count if m0 + bm > 0 and m0 < p.seq_q else 0
-        costs.append(tiles + ITEM_TILES if tiles else 0)
-    return costs
+    tiles = [mask.key_tiles(b * bm - row_shift, bm, bn).count for b in range(blocks)]
+    return [count + ITEM_TILES if count else 0 for count in tiles]
 
 
 def walk_makespan(costs: list[int], heads: int, paired: bool, chunk: int, grid: int) -> int:
