@@ -16,7 +16,7 @@ Two compilers:
   front end builds them; at the register limit its registers and spills differ from NVRTC's.
 
     python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N] [--features 0 1 ...]
-                                    [--compiler nvrtc|nvcc]
+                                    [--source forward_sm90_tma.cu ...] [--compiler nvrtc|nvcc]
 """
 
 from __future__ import annotations
@@ -193,9 +193,10 @@ def run(
     nvcc: str | None = None,
     features: tuple[int, ...] | None = None,
     compiler: str | None = None,
+    sources: tuple[str, ...] | None = None,
 ) -> list[UnitResult]:
-    """Compiles every instance (those of the given feature sets only, where given) with NVRTC
-    (compiler "nvrtc", the default where it is installed) or nvcc."""
+    """Compiles every instance (those of the given feature sets and source files only, where
+    given) with NVRTC (compiler "nvrtc", the default where it is installed) or nvcc."""
     nvrtc_found = nvrtc_version() is not None
     compiler = compiler or ("nvrtc" if nvrtc_found else "nvcc")
     if compiler == "nvrtc" and not nvrtc_found:
@@ -211,7 +212,9 @@ def run(
     units: dict[tuple[str, str], list[_kernels.KernelSpec]] = defaultdict(list)
     for arch in archs:
         for spec in _kernels.all_specs(arch):
-            if features is None or spec.features in features:
+            if (features is None or spec.features in features) and (
+                sources is None or spec.source in sources
+            ):
                 units[(spec.source, arch)].append(spec)
     size = NVRTC_UNIT if compiler == "nvrtc" else max(map(len, units.values()), default=1)
     work = [
@@ -293,10 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         "--features", type=int, nargs="+", default=None, help="only these FEATURES values"
     )
     parser.add_argument(
+        "--source", nargs="+", default=None, help="only the instances of these kernels_cu files"
+    )
+    parser.add_argument(
         "--compiler", choices=("nvrtc", "nvcc"), default=None, help="default: NVRTC if installed"
     )
     args = parser.parse_args(argv)
-    results = run(args.arch, args.jobs, features=args.features, compiler=args.compiler)
+    results = run(
+        args.arch, args.jobs, features=args.features, compiler=args.compiler, sources=args.source
+    )
     compiler = results[0].compiler if results else "nvrtc"
     for unit in results:
         regs = [k.registers for k in unit.kernels]
