@@ -3,13 +3,14 @@ SDPA's cuDNN bf16 forward, in interleaved rounds on the same values (docs/perf/N
 its error against the float64 reference of the dequantised inputs.
 
     python bench/probe_fp8_forward.py [--head-dim 128 256] [--seq 4096 16384] [--causal]
-        [--config table 128x128x2:serial ...] [--rounds 5] [--out DIR]
+        [--config table 128x128x2:serial ...] [--baseline DIR ...] [--rounds 5] [--out DIR]
 
 bshd, B = 16384 / N, H = 2048 / d, inputs N(0, 1) (e4m3 for FP8, descale factors 1). TFLOP/s as
 bench_attention.py counts them (4 B H d N^2, half for causal). Rows: "fp8" the whole call (V^T's
 pass and the forward), "fp8 kernel" the forward launch alone (its plan's Run), "vt" V^T's pass
 alone (in microseconds), "bf16" cuflash.attention_forward, "cudnn" SDPA's cuDNN backend (bhsd
-copies). A config is BMxBNxSTAGES:SCHEDULE[:reg] (probe_forward_tiles.py's spelling) or "table".
+copies), and per --baseline checkout its whole FP8 call (a column named after its directory).
+A config is BMxBNxSTAGES:SCHEDULE[:reg] (probe_forward_tiles.py's spelling) or "table".
 The error table: B = 1, H = 2, N = 1024, each head dim, causal and not: max |o - ref| / max |ref|,
 relative RMS error, and the naive FP8 computation's (testing.naive_forward_fp8) for comparison.
 """
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import time_ms  # noqa: E402
+from bench_attention import load_baseline, time_ms  # noqa: E402
 from probe_forward import row  # noqa: E402
 from probe_forward_tiles import parse  # noqa: E402
 
@@ -47,6 +48,10 @@ def fp8_plan(q, k, v, causal: bool, config: str) -> _cuda.Fp8ForwardPlan:
 
 def speed_rows(args) -> list[str]:
     lines = [f"{torch.cuda.get_device_name()}, forward TFLOP/s (vt: microseconds)"]
+    bases = {
+        Path(root).name: load_baseline(root, f"cuflash_baseline_{i}")
+        for i, root in enumerate(args.baseline)
+    }
     gen = torch.Generator(device="cuda").manual_seed(0)
     for d in args.head_dim:
         for n in args.seq:
@@ -90,6 +95,10 @@ def speed_rows(args) -> list[str]:
                     methods[f"fp8 {config}"] = whole
                     methods[f"fp8 kernel {config}"] = kernel
                     vt_ms[config] = transpose
+                for name, base in bases.items():
+                    methods[name] = lambda base=base, c=causal: base.attention_forward_fp8(
+                        q8, k8, v8, causal=c
+                    )
                 methods["bf16"] = lambda c=causal: cuflash.attention_forward(q, k, v, causal=c)
                 methods["cudnn"] = lambda c=causal: sdpa_cudnn(qh, kh, vh, c)
                 label = f"N={n} d={d}{' causal' if causal else ''}"
@@ -147,6 +156,7 @@ def main() -> int:
     parser.add_argument("--seq", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--config", nargs="+", default=["table"])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--baseline", nargs="*", default=[], help="other checkouts' FP8 forward")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
