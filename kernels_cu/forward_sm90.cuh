@@ -46,6 +46,14 @@ struct Sm90ForwardTraits {
   // Under a softcap alone, the row max of an unmasked tile from its raw scores
   // (OnlineSoftmax::probabilities_capped): d = 64 only, where it measured faster.
   static constexpr bool EARLY_CAP_MAX = ScoreMod::CAP_ONLY && HD <= 64;
+  // How far (log2 units) the TMA forward's running row max may trail the true one, so that most
+  // tiles skip the accumulator's rescale (softmax.cuh; FlashAttention-4's conditional rescaling):
+  // P then reach 2^8. Taken where the rescale (d / 2 multiplies a thread and tile) outweighs the
+  // vote and branch that skip it: at d = 256 (128 multiplies beside 40 scores) the 16-bit
+  // forward ran 1.02-1.07x; at d = 128 0.97-1.06x (0.97 at 16k not causal, in two runs), at d = 64
+  // 0.94-0.98x (docs/perf/NOTES.md, v32). Not in the FP8 forward: its P in e4m3 (3 mantissa bits)
+  // lose the exact 1 of a row's largest P, and O's error reached 3x a naive FP8 computation's.
+  static constexpr int RESCALE_SLACK = HD > 128 && BYTES == 2 ? 8 : 0;
   // k steps of the two products (32 bytes of every row each)
   static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
   static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
@@ -118,17 +126,20 @@ struct Sm90ForwardBlock {
   }
 
   // ... turned into unnormalised probabilities by the online softmax; alphas: the factor acc_o
-  // must be rescaled by before this tile's P V is added (softmax.cuh).
-  template <bool MASKED>
-  __device__ __forceinline__ void scores_to_probabilities(int j, float (&s)[1][Tr::NT_S][4],
+  // must be rescaled by before this tile's P V is added (softmax.cuh; exactly 1 on rows whose max
+  // stays within SLACK). Returns whether any row of the warp needs that rescale.
+  template <bool MASKED, int SLACK = 0>
+  __device__ __forceinline__ bool scores_to_probabilities(int j, float (&s)[1][Tr::NT_S][4],
                                                           const Mask& mask, float (&alphas)[1][2]) {
     if constexpr (!MASKED && Tr::EARLY_CAP_MAX) {
       fence_accumulators(s[0]);
-      softmax.probabilities_capped(s, scale_log2, mod.cap_in, mod.cap_out, alphas);
+      softmax.template probabilities_capped<Tr::NT_S, SLACK>(s, scale_log2, mod.cap_in,
+                                                             mod.cap_out, alphas);
     } else {
       final_scores<MASKED>(j, s, mask);
-      softmax.probabilities(s, scale_log2, alphas);
+      softmax.template probabilities<Tr::NT_S, SLACK>(s, scale_log2, alphas);
     }
+    return SLACK == 0 || softmax.any_rescale(alphas);
   }
 
   // P rounded to the element type, as the A fragments of O += P V. 16-bit: n-tiles 2kk, 2kk + 1

@@ -308,7 +308,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       o_factor = descale_of(p.descale_v, bc.batch, kv_head);
     }
     fill(blk.acc_o, 0.f);
-    blk.softmax.init(p.p_shift);  // see forward.cu
+    // P reaches 2^RESCALE_SLACK under the trailing row max (softmax.cuh): where the host scales P
+    // down (bfloat16, p_shift > 0; see forward.cu) the slack goes into the shift too.
+    constexpr int SLACK = Tr::RESCALE_SLACK;
+    if constexpr (SLACK > 0) blk.softmax.init(p.p_shift > 0.f ? p.p_shift + SLACK : 0.f);
+    else blk.softmax.init(p.p_shift);  // see forward.cu
     const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
     // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
     // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
@@ -325,18 +329,22 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     auto stage_of = [&](int it) { return (pipe + it) % STAGES; };
     auto phase_of = [&](int it) { return static_cast<unsigned>(((pipe + it) / STAGES) & 1); };
     // S_it's scores (the accumulator of Q K_it^T, then P_it in float32), P as the A fragments of
-    // the P V product in flight, and the rescale factors of the softmax's last update.
+    // the P V product in flight, the rescale factors of the softmax's last update, and whether
+    // any row of the warp needs them (most tiles' rows keep their max: softmax.cuh, SLACK).
     float s[1][Tr::NT_S][4];
     unsigned pf[Tr::K_PV][4];
     float alphas[1][2];
+    bool rescale = true;
     // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released.
     auto probabilities = [&](int it) {
       if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
       if (it < masked)
-        blk.template scores_to_probabilities<true>(tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas);
+        rescale = blk.template scores_to_probabilities<true, SLACK>(tiles.at(it), s,
+                                                                    Tr::Mask::of(p, seq.ext), alphas);
       else
-        blk.template scores_to_probabilities<false>(tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas);
+        rescale = blk.template scores_to_probabilities<false, SLACK>(tiles.at(it), s,
+                                                                     Tr::Mask::of(p, seq.ext), alphas);
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
     // the last masked tile is in.
@@ -355,7 +363,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       blk.issue_scores(sK + stage_of(it) * Tr::KV_BYTES, s);
     };
     auto issue_pv = [&](int it) {
-      blk.softmax.rescale(blk.acc_o, alphas);
+      if (rescale) blk.softmax.rescale(blk.acc_o, alphas);
       mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
       blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
     };

@@ -10,6 +10,14 @@
 // and is added back to lse; with shift = ceil(log2(Nk)) the unnormalised accumulator
 // sum_j P_j V_j stays below max|V| and cannot overflow float32 even when V is near the top of the
 // bfloat16 range (whose exponent range is float32's, so the scaled P lose no precision).
+//
+// A slack (SLACK > 0, log2 units; FlashAttention-4's conditional rescaling) lets the running max
+// trail the row's true max: it moves only where a tile's max exceeds it by more than SLACK, so
+// that after a row's first tiles alpha is 1 and the accumulator's rescale (a multiply per
+// accumulator register and tile: d / 2 of them a thread at d = 128, beside BN / 2 scores) is
+// skipped (the caller's vote, `any_rescale`). P = exp2(s - m) then reaches up to 2^SLACK; the
+// caller adds SLACK to the shift where it scales P down (bfloat16), so that P stays under
+// 2^-shift as above. m, l and lse stay consistent: lse = m + log(l) whichever m.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -57,11 +65,21 @@ struct OnlineSoftmax {
 
   // update without the rescale, for kernels that rescale acc later (while a product that does not
   // read acc is in flight): alphas[mt][r] is the factor acc's row must be rescaled by before
-  // this tile's P V is added to it.
-  template <int NT_S>
+  // this tile's P V is added to it (exactly 1 where the row's max stayed; SLACK: see the top).
+  template <int NT_S, int SLACK = 0>
   __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], float scale_log2,
                                                 float (&alphas)[MT][2]) {
-    update_rows(s, scale_log2, [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; });
+    update_rows<NT_S, SLACK>(s, scale_log2,
+                             [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; });
+  }
+
+  // Whether any lane of the warp has a row whose accumulator must be rescaled (alpha != 1): the
+  // warp skips the rescale otherwise.
+  static __device__ __forceinline__ bool any_rescale(const float (&alphas)[MT][2]) {
+    bool moved = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) moved = moved || alphas[mt][0] != 1.f || alphas[mt][1] != 1.f;
+    return __any_sync(0xffffffffu, moved);
   }
 
   // acc *= alpha, row by row.
@@ -78,18 +96,18 @@ struct OnlineSoftmax {
   // on_alpha(mt, r, alpha) as soon as it is known. A row that has seen no key yet keeps m = -inf;
   // exponents then use 0 in place of m_new so that no -inf - -inf = NaN appears (its P and alpha
   // are 0).
-  template <int NT_S, typename OnAlpha>
+  template <int NT_S, int SLACK = 0, typename OnAlpha>
   __device__ __forceinline__ void update_rows(float (&s)[MT][NT_S][4], float scale_log2,
                                               OnAlpha on_alpha) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(row_max[mt][r], tile_row_max(s, mt, r));
+        const float m_new = next_max<SLACK>(row_max[mt][r], tile_row_max(s, mt, r), scale_log2);
         const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
-        on_alpha(mt, r, move_row(s, mt, r, m_new, m_scaled, scale_log2, [&](float x, float bias) {
-                   return fmaf(x, scale_log2, -bias);
-                 }));
+        on_alpha(mt, r,
+                 move_row<(SLACK > 0)>(s, mt, r, m_new, m_scaled, scale_log2,
+                                       [&](float x, float bias) { return fmaf(x, scale_log2, -bias); }));
       }
     }
   }
@@ -101,7 +119,7 @@ struct OnlineSoftmax {
   // tanh, and the cap's multiply folds into the softmax's FMA. A tile with hidden scores (-inf)
   // takes the general path: here tanh(-inf) = -1 would make them visible. (+2-4% for the d = 64
   // softcap forward on the H100 and H200; docs/perf/NOTES.md, v25, v26 and v29.)
-  template <int NT_S>
+  template <int NT_S, int SLACK = 0>
   __device__ __forceinline__ void probabilities_capped(float (&s)[MT][NT_S][4], float scale_log2,
                                                        float cap_in, float cap_out,
                                                        float (&alphas)[MT][2]) {
@@ -111,13 +129,26 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float raw_max = tile_row_max(s, mt, r);
-        const float m_new = fmaxf(row_max[mt][r], cap_out * tanh_fast(raw_max * cap_in));
+        const float m_new = next_max<SLACK>(row_max[mt][r], cap_out * tanh_fast(raw_max * cap_in),
+                                            scale_log2);
         const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
-        alphas[mt][r] = move_row(s, mt, r, m_new, m_scaled, scale_log2, [&](float x, float bias) {
-          return fmaf(cap_log2, tanh_fast(x * cap_in), -bias);
-        });
+        alphas[mt][r] = move_row<(SLACK > 0)>(
+            s, mt, r, m_new, m_scaled, scale_log2,
+            [&](float x, float bias) { return fmaf(cap_log2, tanh_fast(x * cap_in), -bias); });
       }
     }
+  }
+
+  // A row's running max after a tile whose largest score is m_tile: max(m_old, m_tile), or with
+  // SLACK > 0 m_old unless m_tile exceeds it by more than SLACK in log2 units (the top). A row that
+  // has seen no key (m_old = -inf) takes any finite m_tile; NaN differences keep m_old, as
+  // fmaxf would.
+  template <int SLACK>
+  static __device__ __forceinline__ float next_max(float m_old, float m_tile, float scale_log2) {
+    if constexpr (SLACK > 0) {
+      if (!((m_tile - m_old) * scale_log2 > static_cast<float>(SLACK))) return m_old;
+    }
+    return fmaxf(m_old, m_tile);
   }
 
   // The largest score of row r of m-tile mt in this tile (over the lane quad that holds it).
@@ -132,10 +163,13 @@ struct OnlineSoftmax {
   // Row r of m-tile mt moves to the max m_new (m_scaled: its exponent, m_new * scale_log2 or 0):
   // its scores become P = exp2(exponent(s, bias)), bias = m_scaled + shift, its sum l = alpha l +
   // rowsum(P); returns alpha = exp2(m scale_log2 - m_scaled).
-  template <int NT_S, typename Exponent>
+  template <bool UNIT_IF_KEPT, int NT_S, typename Exponent>
   __device__ __forceinline__ float move_row(float (&s)[MT][NT_S][4], int mt, int r, float m_new,
                                             float m_scaled, float scale_log2, Exponent exponent) {
-    const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+    // UNIT_IF_KEPT: alpha is exactly 1 where the max stays (the callers' vote skips the rescale
+    // there; the product's rounding could leave exp2 of a residual)
+    float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
+    if constexpr (UNIT_IF_KEPT) alpha = m_new == row_max[mt][r] ? 1.f : alpha;
     const float bias = m_scaled + shift;
     row_max[mt][r] = m_new;
     float sum = 0.f;

@@ -146,6 +146,28 @@ def test_values_near_the_format_limits(dtype):
     assert bool(torch.isfinite(o).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_max_rising_and_falling_across_key_tiles(dtype, head_dim, causal):
+    # The TMA forward's running row max may trail the true one by up to 2^8 (softmax.cuh, SLACK):
+    # scores that rise along the keys by 0.5, 3 and 30 log2 units per 128 keys (the max moves
+    # within the slack for several tiles, then past it; or past it on every tile), or fall by 30
+    # (the first tile holds the max), on 4096 rows (the long tiles of every head dim). In
+    # bfloat16 V also sits near the format's top, where the slack must not overflow O's sums.
+    n, heads = 4096, 4
+    q = rand(1, n, heads, head_dim, dtype=torch.float32, seed=21, scale=0.3)
+    k = rand(1, n, heads, head_dim, dtype=torch.float32, seed=22, scale=0.3)
+    per_key = torch.tensor([0.5, 3.0, 30.0, -30.0], device="cuda") / 128 / math.log2(math.e)
+    q[..., 0] = 1.0
+    k[..., 0] = torch.arange(n, device="cuda")[:, None] * per_key  # scale 1: S = q . k
+    v = rand(1, n, heads, head_dim, dtype=torch.float32, seed=23).clamp(-1, 1)
+    if dtype == torch.bfloat16:
+        v = v * (torch.finfo(dtype).max / 4)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    check_against_reference(q, k, v, causal, 1.0, str(dtype)[6:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("where", ["q", "k"])
