@@ -50,10 +50,12 @@ struct Sm90ForwardTraits {
   // tiles skip the accumulator's rescale (softmax.cuh; FlashAttention-4's conditional rescaling):
   // P then reach 2^8. Taken where the rescale (d / 2 multiplies a thread and tile) outweighs the
   // vote and branch that skip it: the 16-bit forward at d = 256 (128 multiplies beside 40 scores)
-  // ran 1.00-1.07x, at d = 128 (64 beside 80) 1.01-1.04x (ALiBi 0.985-0.99x), at d = 64 (32)
-  // 0.94-0.98x (docs/perf/NOTES.md, v32). Not in the FP8 forward: its P in e4m3 (3 mantissa bits) lose the
-  // exact 1 of a row's largest P, and O's error reached 3x a naive FP8 computation's.
-  static constexpr int RESCALE_SLACK = HD > 64 && BYTES == 2 ? 8 : 0;
+  // ran 1.00-1.07x, at d = 128 (64 beside 80) 1.01-1.04x, at d = 64 (32) 0.94-0.98x; not with
+  // ALiBi, whose bias rises towards the diagonal by slope x BN a tile, past the slack on most tiles
+  // (d = 128: 0.985-0.99x). Nor in the FP8 forward: its P in e4m3 (3 mantissa bits) lose the exact
+  // 1 of a row's largest P, and O's error reached 3x a naive FP8 computation's (NOTES.md, v32).
+  static constexpr int RESCALE_SLACK =
+      HD > 64 && BYTES == 2 && !Features<FEATURES>::ALIBI ? 8 : 0;
   // k steps of the two products (32 bytes of every row each)
   static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
   static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
