@@ -316,10 +316,14 @@ def forward_blockwise(
     window: Any = None,
     softcap: float | None = None,
     alibi_slopes: Any = None,
+    rescale_slack: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The forward kernel: per query block, the online softmax over key blocks (running max m,
     running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end. A row
-    whose sum is 0 saw no key (o = 0, lse = -inf); a NaN sum is a row that met a NaN."""
+    whose sum is 0 saw no key (o = 0, lse = -inf); a NaN sum is a row that met a NaN.
+    `rescale_slack` (log2 units, the TMA forward's RESCALE_SLACK): a row keeps its running max
+    unless a block's max passes it by more than that, so that its P reach 2^slack and the
+    accumulator is rescaled only where the max moved (kernels_cu/softmax.cuh)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     b, hq, nq, d = qb.shape
     nk = kb.shape[2]
@@ -344,6 +348,10 @@ def forward_blockwise(
             )
             s = np.where(mask, s, -np.inf)
             m_new = np.maximum(m, s.max(axis=-1))
+            if rescale_slack:  # keep m where the block's max passes it by no more than the slack
+                with np.errstate(invalid="ignore"):
+                    moved = (m_new - m) * math.log2(math.e) > rescale_slack
+                m_new = np.where(moved, m_new, m)
             m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # no -inf - -inf
             alpha = np.exp(m - m_use)
             p = np.exp(s - m_use[..., None])

@@ -155,6 +155,17 @@ def test_local_memory_is_held_to_the_list():
     assert "a: 8 bytes stack frame" in unlisted
 
 
+def test_the_check_of_some_sources_builds_only_their_instances():
+    # compile_check --source: the quick check of the kernels one changed (the whole takes ~50 min)
+    if compile_check.nvrtc_version() is None:
+        pytest.skip("NVRTC or cuda-bindings is not installed (pip install '.[test]' brings both)")
+    results = compile_check.run(("sm_90a",), compiler="nvrtc", sources=("work_list.cu",))
+    assert [(u.source, u.arch) for u in results] == [("work_list.cu", "sm_90a")]
+    launched = [s for s in _kernels.all_specs("sm_90a") if s.source == "work_list.cu"]
+    assert results[0].expected == len(launched) and len(results[0].kernels) == len(launched)
+    assert compile_check.problems(results, compile_check.read_kept()) == []
+
+
 def test_runtime_options_are_what_the_runtime_passes_and_cupy_adds():
     # cuflash/_compile.py passes COMPILE_OPTIONS and -arch; CuPy (cupy/cuda/compiler.py) appends
     # -ftz=true, its own -arch=sm_XX and --device-as-default-execution-space

@@ -269,6 +269,37 @@ def test_blockwise_matches_naive(problem, block_m, block_n, score_range, seed):
         assert_rel(g_b, g, 1e-10, name, atol)
 
 
+@given(
+    problem=attention_problems(),
+    block_m=BLOCKS,
+    block_n=BLOCKS,
+    score_range=SCORE_RANGES,
+    slack=st.sampled_from([1.0, 8.0]),
+    rise=st.sampled_from([0.0, 0.05, 1.0, -1.0]),
+    seed=SEEDS,
+)
+def test_blockwise_with_a_trailing_max_matches_naive(
+    problem, block_m, block_n, score_range, slack, rise, seed
+):
+    # The TMA forward's running max may trail the true one by `slack` log2 units
+    # (kernels_cu/softmax.cuh): o and lse are the same function. `rise` adds a ramp along the keys
+    # to every score (per key, in units of S), so that the max moves within the slack on some
+    # blocks and past it on others.
+    q, k, v, _ = make_inputs(problem, np.random.default_rng(seed), score_range=score_range)
+    kw = problem.kwargs
+    if rise:
+        ramp = rise * np.arange(problem.Nk) / problem.scale_value  # S gains `rise` per key
+        q, k = to_bhsd(q, problem.layout).copy(), to_bhsd(k, problem.layout).copy()
+        q[..., 0], k[..., 0] = 1.0, ramp
+        q, k = from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
+    blocks = {"block_m": block_m, "block_n": block_n}
+    with no_warnings():
+        o, lse = reference.forward(q, k, v, **kw)
+        o_b, lse_b = reference.forward_blockwise(q, k, v, **kw, **blocks, rescale_slack=slack)
+    assert_rel(o_b, o, 1e-10, "o")
+    assert_rel(lse_b, lse, 1e-10, "lse")
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Invariants of the naive reference
 
