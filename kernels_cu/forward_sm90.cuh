@@ -129,10 +129,11 @@ struct Sm90ForwardBlock {
 
   // ... turned into unnormalised probabilities by the online softmax; alphas: the factor acc_o
   // must be rescaled by before this tile's P V is added (softmax.cuh; exactly 1 on rows whose max
-  // stays within SLACK). Returns whether any row of the warp needs that rescale.
-  template <bool MASKED, int SLACK = 0>
+  // stays within Tr::RESCALE_SLACK). Returns whether any row of the warp needs that rescale.
+  template <bool MASKED>
   __device__ __forceinline__ bool scores_to_probabilities(int j, float (&s)[1][Tr::NT_S][4],
                                                           const Mask& mask, float (&alphas)[1][2]) {
+    constexpr int SLACK = Tr::RESCALE_SLACK;
     if constexpr (!MASKED && Tr::EARLY_CAP_MAX) {
       fence_accumulators(s[0]);
       softmax.template probabilities_capped<Tr::NT_S, SLACK>(s, scale_log2, mod.cap_in,

@@ -340,11 +340,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
       if (it < masked)
-        rescale = blk.template scores_to_probabilities<true, SLACK>(tiles.at(it), s,
-                                                                    Tr::Mask::of(p, seq.ext), alphas);
+        rescale = blk.template scores_to_probabilities<true>(tiles.at(it), s,
+                                                             Tr::Mask::of(p, seq.ext), alphas);
       else
-        rescale = blk.template scores_to_probabilities<false, SLACK>(tiles.at(it), s,
-                                                                     Tr::Mask::of(p, seq.ext), alphas);
+        rescale = blk.template scores_to_probabilities<false>(tiles.at(it), s,
+                                                              Tr::Mask::of(p, seq.ext), alphas);
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
     // the last masked tile is in.
