@@ -9,9 +9,10 @@ consumer warpgroups against the softcap's MUFU latency; longer key tiles at d = 
 Each config is BMxBNxSTAGES:SCHEDULE, with ":reg" for O written from registers instead of
 through a staging tile and TMA stores, or "table" for the library's own choice. bf16, N = 4096
 (--seq), B = 16384 / N, H = 2048 / d, bshd; dense and softcap 30, not causal; dense causal too
-with --causal; --extra window alibi: a causal window of 1024 keys, ALiBi; --windows L ...: causal
-windows (L, 0) and two-sided ones (L / 2, L / 2) (--windows-only: no other rows). TFLOP/s as
-bench_attention.py counts them, on the visible pairs (the median over rounds). A config that
+with --causal; --extra window alibi: a causal window of 1024 keys, ALiBi (causal too with
+--causal); --windows L ...: causal windows (L, 0) and two-sided ones (L / 2, L / 2)
+(--windows-only: no other rows). TFLOP/s as bench_attention.py counts them, on the visible
+pairs (the median over rounds). A config that
 a checkout cannot build or launch is reported and skipped. --compile-only builds the plans of
 every N-th (tree, config) pair into CuPy's disk cache and exits: run the shards in parallel
 processes before the timed run.
@@ -77,6 +78,8 @@ def variants(
     if "alibi" in extra:
         slopes = torch.rand(heads, device="cuda", generator=gen) * 0.1
         rows.append(("alibi", {"alibi_slopes": slopes}, n * n))
+        if causal:
+            rows.append(("alibi causal", {"alibi_slopes": slopes, "causal": True}, n * n // 2))
     return rows
 
 

@@ -239,8 +239,9 @@ FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
 #   takes 80 too).
 # d = 128 and 256: the sets that gained (v26, H100): dense (causal or not) and the softcap, and
 # ALiBi at d = 256 (+4-8%). A causal window of 1024 keys lost 10% with d = 128's long tiles and
-# did not move at d = 256; ALiBi at d = 128 read -0.4% at 4k and +3% at 16k; packed calls were
-# not measured. Packed with the softcap or ALiBi spill 16-68 B there, as do the softcap with
+# did not move at d = 256; ALiBi at d = 128 read -0.4% at 4k and +3% at 16k (v26), 1.017 / 1.028
+# (v32) and, with its one-sided form (v33), 1.00 / 1.02-1.03 (causal 1.00 / 1.01-1.03): taken
+# since v33; packed calls were not measured. Packed with the softcap or ALiBi spill 16-68 B there, as do the softcap with
 # ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128: 16 B).
 _TMA_TILES_FOR = {
     ("forward", 64): (
@@ -248,7 +249,7 @@ _TMA_TILES_FOR = {
         (192, 128, 2),
         frozenset(f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0),
     ),
-    ("forward", 128): (4096, (128, 160, 2), frozenset({0, FEATURE_SOFTCAP})),
+    ("forward", 128): (4096, (128, 160, 2), frozenset({0, FEATURE_SOFTCAP, FEATURE_ALIBI})),
     ("forward", 256): (0, (128, 80, 2), frozenset({0, FEATURE_SOFTCAP, FEATURE_ALIBI})),
 }
 # Windows of at most this many keys a row keep the table's tiles where _TMA_TILES_FOR has taller

@@ -46,6 +46,11 @@ struct Sm90ForwardTraits {
   // Under a softcap alone, the row max of an unmasked tile from its raw scores
   // (OnlineSoftmax::probabilities_capped): d = 64 only, where it measured faster.
   static constexpr bool EARLY_CAP_MAX = ScoreMod::CAP_ONLY && HD <= 64;
+  // Under a softcap alone, the unmasked tiles keep tanh(s u / c) and the softmax takes c / u as
+  // their unit (OnlineSoftmax::probabilities_in_unit): the cap's multiply folds into the
+  // exponent's FMA. d = 256 ran 1.03-1.04x (docs/perf/NOTES.md, v33); d = 128, whose softcap
+  // chain the exp units bind, 1.01x, and its 160-key tiles spilled 28 B.
+  static constexpr bool CAP_AS_UNIT = ScoreMod::CAP_ONLY && HD > 128;
   // How far (log2 units) the TMA forward's running row max may trail the true one, so that most
   // tiles skip the accumulator's rescale (softmax.cuh; FlashAttention-4's conditional rescaling):
   // P then reach 2^8. Taken where the rescale (d / 2 multiplies a thread and tile) outweighs the
@@ -127,6 +132,15 @@ struct Sm90ForwardBlock {
     if constexpr (MASKED) apply_mask(s, j * BN, mask);
   }
 
+  // Where ALiBi's distance |diag(i) - j| keeps one sign over key tile j for every row of the
+  // block: +1 where the tile lies wholly at or left of every row's diagonal, -1 right of it, 0
+  // where the tile straddles a diagonal (the kernel gives those tiles the general form, with the
+  // masked ones). Under a causal mask every unmasked tile is on the left.
+  __device__ __forceinline__ int alibi_side(int j) const {
+    const int first = m0 + mod.diag_offset, last = m0 + BM - 1 + mod.diag_offset;
+    return j * BN + BN - 1 <= first ? 1 : (j * BN >= last ? -1 : 0);
+  }
+
   // ... turned into unnormalised probabilities by the online softmax; alphas: the factor acc_o
   // must be rescaled by before this tile's P V is added (softmax.cuh; exactly 1 on rows whose max
   // stays within Tr::RESCALE_SLACK). Returns whether any row of the warp needs that rescale.
@@ -138,6 +152,18 @@ struct Sm90ForwardBlock {
       fence_accumulators(s[0]);
       softmax.template probabilities_capped<Tr::NT_S, SLACK>(s, scale_log2, mod.cap_in,
                                                              mod.cap_out, alphas);
+    } else if constexpr (!MASKED && Tr::CAP_AS_UNIT) {
+      fence_accumulators(s[0]);
+      mod.tanh_only(s);
+      softmax.template probabilities_in_unit<Tr::NT_S, SLACK>(s, scale_log2, mod.cap_out, alphas);
+    } else if constexpr (!MASKED && Tr::ScoreMod::HAS_ALIBI) {
+      // Unmasked tiles under ALiBi lie on one side of every row's diagonal (the kernel sends the
+      // ones that straddle it the masked way): one FMA a score (ScoreMod::apply_one_sided).
+      fence_accumulators(s[0]);
+      float row_term[1][2];
+      mod.apply_one_sided(s, m0 + warp_row0 + (lane >> 2), j * BN + 2 * (lane & 3), alibi_side(j),
+                          row_term);
+      softmax.template probabilities<Tr::NT_S, SLACK>(s, scale_log2, row_term, alphas);
     } else {
       final_scores<MASKED>(j, s, mask);
       softmax.template probabilities<Tr::NT_S, SLACK>(s, scale_log2, alphas);

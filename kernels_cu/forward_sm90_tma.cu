@@ -339,7 +339,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     auto probabilities = [&](int it) {
       if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
-      if (it < masked)
+      // Under ALiBi the tiles that straddle a row's diagonal go the masked way too: the unmasked
+      // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side).
+      if (it < masked || (Tr::ScoreMod::HAS_ALIBI && blk.alibi_side(tiles.at(it)) == 0))
         rescale = blk.template scores_to_probabilities<true>(tiles.at(it), s,
                                                              Tr::Mask::of(p, seq.ext), alphas);
       else

@@ -73,6 +73,53 @@ struct OnlineSoftmax {
                              [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; });
   }
 
+  // The same for scores that are unit * s (unit > 0: the softcap's c / u, ScoreMod::tanh_only):
+  // the row max is the unit times the largest s (a rounding that keeps the order), and the unit
+  // folds into the exponent's FMA, one multiply a score less.
+  template <int NT_S, int SLACK = 0>
+  __device__ __forceinline__ void probabilities_in_unit(float (&s)[MT][NT_S][4], float scale_log2,
+                                                        float unit, float (&alphas)[MT][2]) {
+    const float unit_log2 = unit * scale_log2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new =
+            next_max<SLACK>(row_max[mt][r], unit * tile_row_max(s, mt, r), scale_log2);
+        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
+        alphas[mt][r] = move_row<(SLACK > 0)>(
+            s, mt, r, m_new, m_scaled, scale_log2,
+            [&](float x, float bias) { return fmaf(x, unit_log2, -bias); });
+      }
+    }
+  }
+
+  // The same for scores that are s + row_term[mt][r] (a term per row and lane that the caller
+  // kept out of the scores: ScoreMod::apply_one_sided's ALiBi): it goes into the row's max (and
+  // so into lse) and, scaled, into the exponent's bias, one addition a row rather than one a
+  // score. The lanes of a quad hold different columns of the row, so their terms differ: each
+  // adds its own to its own max before the quad's reduction.
+  template <int NT_S, int SLACK = 0>
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], float scale_log2,
+                                                const float (&row_term)[MT][2],
+                                                float (&alphas)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // the term is this lane's (it holds the lane's columns): added before the quad's max
+        const float term = row_term[mt][r];
+        const float m_new =
+            next_max<SLACK>(row_max[mt][r], quad_max(lane_row_max(s, mt, r) + term), scale_log2);
+        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
+        const float term_scaled = term * scale_log2;
+        alphas[mt][r] = move_row<(SLACK > 0)>(
+            s, mt, r, m_new, m_scaled, scale_log2,
+            [&](float x, float bias) { return fmaf(x, scale_log2, term_scaled - bias); });
+      }
+    }
+  }
+
   // Whether any lane of the warp has a row whose accumulator must be rescaled (alpha != 1): the
   // warp skips the rescale otherwise.
   static __device__ __forceinline__ bool any_rescale(const float (&alphas)[MT][2]) {
@@ -154,10 +201,15 @@ struct OnlineSoftmax {
   // The largest score of row r of m-tile mt in this tile (over the lane quad that holds it).
   template <int NT_S>
   static __device__ __forceinline__ float tile_row_max(const float (&s)[MT][NT_S][4], int mt, int r) {
+    return quad_max(lane_row_max(s, mt, r));
+  }
+  // ... of this lane's columns only.
+  template <int NT_S>
+  static __device__ __forceinline__ float lane_row_max(const float (&s)[MT][NT_S][4], int mt, int r) {
     float mx = -inf_f32();
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-    return quad_max(mx);
+    return mx;
   }
 
   // Row r of m-tile mt moves to the max m_new (m_scaled: its exponent, m_new * scale_log2 or 0):

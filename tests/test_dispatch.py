@@ -79,10 +79,12 @@ def test_forward_work_list():
     p = problem(seq_q=4096, seq_k=4096, head_dim=64)
     assert _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec.rows_per_block == 192
     for seq_q, tiles in ((4095, (128, 128)), (4096, (128, 160))):
-        p = problem(seq_q=seq_q, seq_k=4096, head_dim=128)
-        spec = _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec
-        assert (spec.rows_per_block, spec.rows_per_step) == tiles
-        assert spec.o_via_tma == (tiles[1] == 128)
+        for alibi in (False, True):  # ALiBi too since v33 (its one-sided form)
+            p = problem(seq_q=seq_q, seq_k=4096, head_dim=128, alibi=alibi)
+            spec = _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned.spec
+            assert (spec.rows_per_block, spec.rows_per_step) == tiles
+            assert spec.o_via_tma == (tiles[1] == 128)
+            assert spec.features == (_kernels.FEATURE_ALIBI if alibi else 0)
 
 
 def test_backward_launches():

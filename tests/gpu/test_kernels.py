@@ -46,6 +46,7 @@ class Case:
     window: tuple[int | None, int | None] | None = None  # (left, right); None / -1: unbounded
     softcap: float | None = None
     alibi: str | None = None  # slopes per head ("head", shape (Hq,)) or per ("batch", (B, Hq))
+    alibi_max: float = 1.0  # the slopes are uniform in [0, alibi_max)
 
     @property
     def heads_q(self) -> int:
@@ -94,11 +95,12 @@ def cases(draw, max_n: int = 2048, max_work: int = 1 << 24):
 
 def alibi_slopes(case: Case, gen: torch.Generator):
     """ALiBi slopes of the case (float32 on the GPU, (Hq,) or (B, Hq)), or None. Values up to
-    1: with the distances of long sequences, some scores fall out of range entirely."""
+    case.alibi_max (1 by default: with the distances of long sequences, some scores fall out of
+    range entirely)."""
     if case.alibi is None:
         return None
     shape = (case.heads_q,) if case.alibi == "head" else (case.batch, case.heads_q)
-    return torch.rand(shape, generator=gen, device="cuda", dtype=torch.float32)
+    return torch.rand(shape, generator=gen, device="cuda", dtype=torch.float32) * case.alibi_max
 
 
 def make(case: Case, shape: tuple[int, ...], gen: torch.Generator, scale: float = 1.0):

@@ -53,6 +53,25 @@ def test_long_sliding_windows(window):
         check_case(replace(case, window=window), "windows")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqs", [(1500, 1300), (700, 2900), (2048, 2048), (4100, 4200)])
+def test_alibi_over_key_tiles_on_both_sides_of_the_diagonal(head_dim, seqs):
+    # Slopes small enough (distances of thousands of keys cost a few units of score) that the key
+    # tiles far left and right of a row's diagonal weigh in its O and lse: the TMA forward gives
+    # the tiles wholly on one side ALiBi's one-sided form and those that straddle a diagonal the
+    # general one (kernels_cu/forward_sm90.cuh, alibi_side). Nq < Nk, Nq > Nk and 2048 rows (d =
+    # 64's three-warpgroup tiles; 4100: d = 128's 160-key tiles), with and without a softcap,
+    # causal (every unmasked tile left of the diagonal) and not; and larger slopes, where a row's
+    # terms differ between the lanes that hold its columns by more (a first version took the
+    # quad's max before adding each lane's term: off by up to 6 slopes, 0.15-0.6 in lse).
+    nq, nk = seqs
+    base = Case(1, 2, 2, nq, nk, head_dim, "bfloat16", "bshd", False, None, "contiguous", 13)
+    for causal in (False, True):
+        for softcap, alibi_max in ((None, 8.0 / max(seqs)), (20.0, 8.0 / max(seqs)), (None, 0.25)):
+            options = dict(causal=causal, softcap=softcap, alibi="head", alibi_max=alibi_max)
+            check_case(replace(base, **options), "alibi sides")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_rows_outside_every_window_see_nothing(dtype):
     # Nq > Nk with window (0, 0): query i sees key i + Nk - Nq only, the first Nq - Nk rows none
