@@ -304,6 +304,37 @@ def _blocks(tiles: _mask.TileRange, size: int, n: int) -> list[slice]:
     return [slice(t * size, min((t + 1) * size, n)) for t in tiles.order()]
 
 
+def _alibi_side(m0: int, bm: int, n0: int, bn: int, diag_offset: int) -> int:
+    """+1 where the key tile [n0, n0 + bn) lies wholly at or left of the diagonal of every row of
+    [m0, m0 + bm), -1 right of it, 0 where it straddles one (Sm90ForwardBlock::alibi_side)."""
+    first, last = m0 + diag_offset, m0 + bm - 1 + diag_offset
+    return 1 if n0 + bn - 1 <= first else (-1 if n0 >= last else 0)
+
+
+def _alibi_one_sided(
+    raw: np.ndarray, mods: _ScoreMods, rows: slice, cols: slice, diag_offset: int, side: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(S', the block's row max) for an unmasked key block on one side of every row's diagonal, as
+    the TMA forward forms them (ScoreMod::apply_one_sided, OnlineSoftmax::probabilities with row
+    terms): a lane of the quad holds columns 2t, 2t + 1 of every 8 (t = 0..3, col0 = n0 + 2t); its
+    scores take sign * slope * (col - col0), its row term sign * slope * (col0 - diag(i)), and its
+    max plus its term enters the quad's max."""
+    s, _ = _ScoreMods(mods.softcap, None, 1, 1).apply(raw, rows, cols, 0, 0)
+    signed = side * mods.slopes[:, :, None, None]  # (B, H, 1, 1)
+    col = np.arange(cols.start, cols.stop)
+    lane = ((col - cols.start) % 8) // 2
+    col0 = cols.start + 2 * lane
+    diag = np.arange(rows.start, rows.stop)[:, None] + diag_offset
+    t = s + signed * (col - col0)[None, :]  # the one FMA a score
+    term = signed * (col0[None, :] - diag)  # (B, H, rows, cols): each column's lane's term
+    lane_max = [
+        (t[..., lane == i].max(axis=-1) + term[..., lane == i][..., 0])
+        for i in range(4)
+        if (lane == i).any()
+    ]
+    return t + term, np.max(lane_max, axis=0)
+
+
 def forward_blockwise(
     q: Array,
     k: Array,
@@ -317,18 +348,22 @@ def forward_blockwise(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     rescale_slack: float = 0.0,
+    alibi_one_sided: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The forward kernel: per query block, the online softmax over key blocks (running max m,
     running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end. A row
     whose sum is 0 saw no key (o = 0, lse = -inf); a NaN sum is a row that met a NaN.
     `rescale_slack` (log2 units, the TMA forward's RESCALE_SLACK): a row keeps its running max
     unless a block's max passes it by more than that, so that its P reach 2^slack and the
-    accumulator is rescaled only where the max moved (kernels_cu/softmax.cuh)."""
+    accumulator is rescaled only where the max moved (kernels_cu/softmax.cuh).
+    `alibi_one_sided`: ALiBi as the TMA forward takes it on the unmasked key blocks that lie wholly
+    on one side of every row's diagonal (_alibi_one_sided)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     b, hq, nq, d = qb.shape
     nk = kb.shape[2]
     visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
     mods = _ScoreMods(softcap, alibi_slopes, b, hq)
+    one_sided = alibi_one_sided and mods.slopes is not None
     ke, ve = _expand(kb, group), _expand(vb, group)
     o = np.zeros((b, hq, nq, vb.shape[-1]))
     lse = np.full((b, hq, nq), -np.inf)
@@ -338,16 +373,21 @@ def forward_blockwise(
         m = np.full(qi.shape[:3], -np.inf)  # running max of the scaled scores
         l_ = np.zeros(qi.shape[:3])  # running sum of exp(s - m)
         acc = np.zeros(qi.shape[:3] + (vb.shape[-1],))  # running sum of exp(s - m) v
-        for cols in _blocks(visibility.key_tiles(m0, block_m, block_n), block_n, nk):
-            with np.errstate(invalid="ignore"):
-                s, _ = mods.apply(
-                    scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2)), rows, cols, nq, nk
+        tiles = visibility.key_tiles(m0, block_m, block_n)
+        for visit, cols in enumerate(_blocks(tiles, block_n, nk)):
+            raw = scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2))
+            side = _alibi_side(m0, block_m, cols.start, block_n, nk - nq) if one_sided else 0
+            if visit >= tiles.masked and side != 0:
+                s, tile_max = _alibi_one_sided(raw, mods, rows, cols, nk - nq, side)
+                m_new = np.maximum(m, tile_max)
+            else:
+                with np.errstate(invalid="ignore"):
+                    s, _ = mods.apply(raw, rows, cols, nq, nk)
+                mask = visibility.visible(
+                    np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
                 )
-            mask = visibility.visible(
-                np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop)
-            )
-            s = np.where(mask, s, -np.inf)
-            m_new = np.maximum(m, s.max(axis=-1))
+                s = np.where(mask, s, -np.inf)
+                m_new = np.maximum(m, s.max(axis=-1))
             if rescale_slack:  # keep m where the block's max passes it by no more than the slack
                 with np.errstate(invalid="ignore"):
                     moved = (m_new - m) * math.log2(math.e) > rescale_slack
@@ -356,7 +396,10 @@ def forward_blockwise(
             alpha = np.exp(m - m_use)
             p = np.exp(s - m_use[..., None])
             l_ = alpha * l_ + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + _masked_matmul(p, ve[:, :, cols], mask)
+            if visit >= tiles.masked and side != 0:
+                acc = alpha[..., None] * acc + p @ ve[:, :, cols]
+            else:
+                acc = alpha[..., None] * acc + _masked_matmul(p, ve[:, :, cols], mask)
             m = m_new
         seen = l_ != 0
         o[:, :, rows] = np.where(seen[..., None], acc / np.where(seen, l_, 1.0)[..., None], 0.0)

@@ -300,6 +300,34 @@ def test_blockwise_with_a_trailing_max_matches_naive(
     assert_rel(lse_b, lse, 1e-10, "lse")
 
 
+@given(
+    problem=attention_problems(),
+    block_m=BLOCKS,
+    block_n=BLOCKS,
+    slope_max=st.sampled_from([0.01, 0.3, 3.0]),
+    window=st.sampled_from([None, (40, None), (None, 17), (25, 9)]),
+    softcap=st.sampled_from([None, 5.0]),
+    seed=SEEDS,
+)
+def test_blockwise_with_alibi_one_sided_matches_naive(
+    problem, block_m, block_n, slope_max, window, softcap, seed
+):
+    # The TMA forward's ALiBi on the unmasked key blocks that lie on one side of every row's
+    # diagonal (kernels_cu/score_mod.cuh, apply_one_sided): the score's part of the distance in
+    # the scores, the row's (each lane's own) in the max, the blocks that straddle a diagonal the
+    # general way. o and lse are the same function.
+    rng = np.random.default_rng(seed)
+    q, k, v, _ = make_inputs(problem, rng)
+    slopes = rng.uniform(0.0, slope_max, problem.Hq)
+    kw = dict(problem.kwargs, window=window, softcap=softcap, alibi_slopes=slopes)
+    blocks = {"block_m": block_m, "block_n": block_n}
+    with no_warnings():
+        o, lse = reference.forward(q, k, v, **kw)
+        o_b, lse_b = reference.forward_blockwise(q, k, v, **kw, **blocks, alibi_one_sided=True)
+    assert_rel(o_b, o, 1e-10, "o")
+    assert_rel(lse_b, lse, 1e-10, "lse")
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Invariants of the naive reference
 
