@@ -116,7 +116,9 @@ def main() -> int:
             torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(3)
         )
-        for row_label, options, pairs in variants(n, h, args.extra, args.causal, gen, args.windows, args.windows_only):
+        for row_label, options, pairs in variants(
+            n, h, args.extra, args.causal, gen, args.windows, args.windows_only
+        ):
             flops = 4 * b * h * pairs * d
             methods = {}
             for name, module in modules.items():

@@ -1,7 +1,8 @@
 """Probe: the persistent kernels' order of work items under windows (cuflash/_dispatch.py,
-walk_heads; docs/perf/NOTES.md, v31): the TMA forward with decode_paired_work's order (chunk 0) against the block-major order over chunks of C heads, and
-the library's choice, in interleaved rounds on the same inputs, beside the simulated walk's
-balance (the mean block's work over the busiest block's).
+walk_heads; docs/perf/NOTES.md, v31): the TMA forward with decode_paired_work's order (chunk
+0) against the block-major order over chunks of C heads, and the library's choice, in
+interleaved rounds on the same inputs, beside the simulated walk's balance (the mean block's
+work over the busiest block's).
 
     python bench/probe_walk.py [--rounds 5] [--chunks 0 1 4 16] [--out DIR]
 
@@ -18,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_forward import row  # noqa: E402
 from bench_score_mods import visible_pairs  # noqa: E402
+from probe_forward import row  # noqa: E402
 
 from cuflash import _dispatch, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402

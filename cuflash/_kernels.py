@@ -241,8 +241,9 @@ FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
 # ALiBi at d = 256 (+4-8%). A causal window of 1024 keys lost 10% with d = 128's long tiles and
 # did not move at d = 256; ALiBi at d = 128 read -0.4% at 4k and +3% at 16k (v26), 1.017 / 1.028
 # (v32) and, with its one-sided form (v33), 1.00 / 1.02-1.03 (causal 1.00 / 1.01-1.03): taken
-# since v33; packed calls were not measured. Packed with the softcap or ALiBi spill 16-68 B there, as do the softcap with
-# ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128: 16 B).
+# since v33; packed calls were not measured. Packed with the softcap or ALiBi spill 16-68 B
+# there, as do the softcap with ALiBi (d = 256: 8-44 B) and with a window and ALiBi (d = 128:
+# 16 B).
 _TMA_TILES_FOR = {
     ("forward", 64): (
         2048,
@@ -658,7 +659,9 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                 for schedule in FUSED_SCHEDULES if short else ():
                     rotated = schedule == "rotated" and not features & FEATURE_LOCAL
                     if rotated or (schedule, features) in FUSED_SHORT_FOR[hd]:
-                        fused = instance("dkdv", "fused", dt, hd, short, features, schedule=schedule)
+                        fused = instance(
+                            "dkdv", "fused", dt, hd, short, features, schedule=schedule
+                        )
                         specs.add(fused)
                         specs.add(instance("dq", "fused", dt, hd, short[:1], features))
     for family in ("forward", "dkdv", "dq"):

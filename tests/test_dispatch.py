@@ -580,9 +580,7 @@ def walk_time(walks, turns: bool = True, add: float = 0.15, epilogue: float = 1.
     ],
 )
 @pytest.mark.parametrize("bm", FUSED_BMS)
-def test_the_bounded_turns_follow_the_items_arrival(
-    nq, nk, bounds, group, heads, grid, other, bm
-):
+def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads, grid, other, bm):
     # With the turns as the kernel takes them the walk ends within 2% of the same walk without
     # turns (nobody waits long), with query tiles of either height; with grouped heads, the other
     # order at the second step makes items wait: `other` x the walk without turns, at least (the
@@ -655,7 +653,10 @@ def test_the_fused_backwards_query_tiles_size_its_counters_sums_and_dq_pass(
     # per tile; the split kernels' preprocess zeroes none.
     window = (64, 0) if features & _kernels.FEATURE_LOCAL else (None, None)
     p = problem(
-        head_dim=head_dim, seq_q=seq, seq_k=seq, window=window,
+        head_dim=head_dim,
+        seq_q=seq,
+        seq_k=seq,
+        window=window,
         softcap=30.0 if features & _kernels.FEATURE_SOFTCAP else None,
         alibi=bool(features & _kernels.FEATURE_ALIBI),
     )
@@ -735,7 +736,11 @@ def test_wide_store_kernels_run_only_on_aligned_chunked_launches(head_dim, pad):
         for pair in pairs:
             assert pair.unaligned.spec.source not in WIDE_STORE_SOURCES
             if pair.aligned.spec.source in WIDE_STORE_SOURCES:
-                assert chunked and pair.aligned.vec, (head_dim, pad, pair.aligned.spec.name_expression)
+                assert chunked and pair.aligned.vec, (
+                    head_dim,
+                    pad,
+                    pair.aligned.spec.name_expression,
+                )
 
 
 def test_the_chunked_walk_under_windows():

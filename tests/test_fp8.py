@@ -119,7 +119,9 @@ def test_fp8_instances_and_launches() -> None:
         assert spec.smem_bytes <= _kernels.SM90_MAX_SMEM
     assert _kernels.fp8_bucket(16) == 64 and _kernels.fp8_bucket(80) == 128
     assert _kernels.fp8_bucket(144) == 256
-    assert _kernels.map_row_bytes(fp8, 48, "q") == 64 and _kernels.map_row_bytes(fp8, 48, "vt") == 128
+    assert (
+        _kernels.map_row_bytes(fp8, 48, "q") == 64 and _kernels.map_row_bytes(fp8, 48, "vt") == 128
+    )
     assert _kernels.map_row_bytes(fp8, 128, "k") == 128
     assert _kernels.map_row_bytes("bfloat16", 64, "q") == 128
     with pytest.raises(ValueError, match="at most 256"):

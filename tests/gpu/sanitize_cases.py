@@ -200,8 +200,16 @@ def run_kvcache(
         raise SystemExit(f"non-finite o for the KV cache, {dtype} d={d} page={page} nq={nq}")
 
 
-def run_fp8(d: int, causal: bool, nq: int, nk: int, window=None, kv_heads: int = 2,
-            descales: bool = True, nan_value: bool = False) -> None:
+def run_fp8(
+    d: int,
+    causal: bool,
+    nq: int,
+    nk: int,
+    window=None,
+    kv_heads: int = 2,
+    descales: bool = True,
+    nan_value: bool = False,
+) -> None:
     """One attention_forward_fp8 call (4 query heads), checked against the CPU backend."""
     gen = torch.Generator(device="cuda").manual_seed(d + nq + nk)
     q, k, v = (

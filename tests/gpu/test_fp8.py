@@ -146,9 +146,7 @@ def test_fp8_forward_takes_jax_arrays() -> None:
     q, k, v, factors = inputs(case)
     o, lse = forward(case, q, k, v, factors)
     # e4m3 values are exact in float32: the JAX arrays hold the same bits
-    qj, kj, vj = (
-        jnp.asarray(x.float().cpu().numpy()).astype(jnp.float8_e4m3fn) for x in (q, k, v)
-    )
+    qj, kj, vj = (jnp.asarray(x.float().cpu().numpy()).astype(jnp.float8_e4m3fn) for x in (q, k, v))
     fj = tuple(jnp.asarray(f.cpu().numpy()) for f in factors)
     oj, lsej = forward(case, qj, kj, vj, fj)
     assert isinstance(oj, jax.Array) and isinstance(lsej, jax.Array)

@@ -330,9 +330,7 @@ def test_every_walk_gives_the_same_bits(batch, heads, seq, head_dim, causal, win
     results = {}
     for chunk in (0, 1, 3, 16):
         choice = KernelChoice(walk_heads=chunk)
-        o, lse, fwd = testing.attention_forward_with(
-            choice, q, k, v, causal=causal, window=window
-        )
+        o, lse, fwd = testing.attention_forward_with(choice, q, k, v, causal=causal, window=window)
         assert fwd.runs.aligned.launch.walk_heads == chunk
         dq, dk, dv, bwd = testing.attention_backward_with(
             choice, do, q, k, v, o, lse, causal=causal, window=window
@@ -343,4 +341,4 @@ def test_every_walk_gives_the_same_bits(batch, heads, seq, head_dim, causal, win
         results[chunk] = (o, lse, dq, dk, dv)
     assert not torch.isnan(results[0][0]).any() and not torch.isnan(results[0][2]).any()
     for chunk, tensors in results.items():
-        assert all(torch.equal(a, b) for a, b in zip(tensors, results[0])), chunk
+        assert all(torch.equal(a, b) for a, b in zip(tensors, results[0], strict=True)), chunk
