@@ -293,11 +293,7 @@ def test_blockwise_with_a_trailing_max_matches_naive(
         q[..., 0], k[..., 0] = 1.0, ramp
         q, k = from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
     blocks = {"block_m": block_m, "block_n": block_n}
-    with no_warnings():
-        o, lse = reference.forward(q, k, v, **kw)
-        o_b, lse_b = reference.forward_blockwise(q, k, v, **kw, **blocks, rescale_slack=slack)
-    assert_rel(o_b, o, 1e-10, "o")
-    assert_rel(lse_b, lse, 1e-10, "lse")
+    assert_forward_blockwise_is_naive(q, k, v, kw, blocks, rescale_slack=slack)
 
 
 @given(
@@ -321,9 +317,14 @@ def test_blockwise_with_alibi_one_sided_matches_naive(
     slopes = rng.uniform(0.0, slope_max, problem.Hq)
     kw = dict(problem.kwargs, window=window, softcap=softcap, alibi_slopes=slopes)
     blocks = {"block_m": block_m, "block_n": block_n}
+    assert_forward_blockwise_is_naive(q, k, v, kw, blocks, alibi_one_sided=True)
+
+
+def assert_forward_blockwise_is_naive(q, k, v, kw: dict, blocks: dict, **kernel_form) -> None:
+    """forward_blockwise with one of the kernels' forms (`kernel_form`) gives the naive o, lse."""
     with no_warnings():
         o, lse = reference.forward(q, k, v, **kw)
-        o_b, lse_b = reference.forward_blockwise(q, k, v, **kw, **blocks, alibi_one_sided=True)
+        o_b, lse_b = reference.forward_blockwise(q, k, v, **kw, **blocks, **kernel_form)
     assert_rel(o_b, o, 1e-10, "o")
     assert_rel(lse_b, lse, 1e-10, "lse")
 
