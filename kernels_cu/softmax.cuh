@@ -80,18 +80,10 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void probabilities_in_unit(float (&s)[MT][NT_S][4], float scale_log2,
                                                         float unit, float (&alphas)[MT][2]) {
     const float unit_log2 = unit * scale_log2;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new =
-            next_max<SLACK>(row_max[mt][r], unit * tile_row_max(s, mt, r), scale_log2);
-        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
-        alphas[mt][r] = move_row<(SLACK > 0)>(
-            s, mt, r, m_new, m_scaled, scale_log2,
-            [&](float x, float bias) { return fmaf(x, unit_log2, -bias); });
-      }
-    }
+    update_rows<NT_S, SLACK>(
+        s, scale_log2, [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; },
+        [&](int mt, int r) { return unit * tile_row_max(s, mt, r); },
+        [&](int, int, float x, float bias) { return fmaf(x, unit_log2, -bias); });
   }
 
   // The same for scores that are s + row_term[mt][r] (a term per row and lane that the caller
@@ -103,21 +95,12 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void probabilities(float (&s)[MT][NT_S][4], float scale_log2,
                                                 const float (&row_term)[MT][2],
                                                 float (&alphas)[MT][2]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // the term is this lane's (it holds the lane's columns): added before the quad's max
-        const float term = row_term[mt][r];
-        const float m_new =
-            next_max<SLACK>(row_max[mt][r], quad_max(lane_row_max(s, mt, r) + term), scale_log2);
-        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
-        const float term_scaled = term * scale_log2;
-        alphas[mt][r] = move_row<(SLACK > 0)>(
-            s, mt, r, m_new, m_scaled, scale_log2,
-            [&](float x, float bias) { return fmaf(x, scale_log2, term_scaled - bias); });
-      }
-    }
+    update_rows<NT_S, SLACK>(
+        s, scale_log2, [&](int mt, int r, float alpha) { alphas[mt][r] = alpha; },
+        [&](int mt, int r) { return quad_max(lane_row_max(s, mt, r) + row_term[mt][r]); },
+        [&](int mt, int r, float x, float bias) {
+          return fmaf(x, scale_log2, row_term[mt][r] * scale_log2 - bias);
+        });
   }
 
   // Whether any lane of the warp has a row whose accumulator must be rescaled (alpha != 1): the
@@ -143,18 +126,29 @@ struct OnlineSoftmax {
   // on_alpha(mt, r, alpha) as soon as it is known. A row that has seen no key yet keeps m = -inf;
   // exponents then use 0 in place of m_new so that no -inf - -inf = NaN appears (its P and alpha
   // are 0).
+  // The scores' form enters through two hooks: tile_max(mt, r), the row's largest final score in
+  // this tile (default: the largest s), and exponent(mt, r, x, bias), log2 of P for score x
+  // (default: x scale_log2 - bias).
   template <int NT_S, int SLACK = 0, typename OnAlpha>
   __device__ __forceinline__ void update_rows(float (&s)[MT][NT_S][4], float scale_log2,
                                               OnAlpha on_alpha) {
+    update_rows<NT_S, SLACK>(
+        s, scale_log2, on_alpha, [&](int mt, int r) { return tile_row_max(s, mt, r); },
+        [&](int, int, float x, float bias) { return fmaf(x, scale_log2, -bias); });
+  }
+  template <int NT_S, int SLACK, typename OnAlpha, typename TileMax, typename Exponent>
+  __device__ __forceinline__ void update_rows(float (&s)[MT][NT_S][4], float scale_log2,
+                                              OnAlpha on_alpha, TileMax tile_max,
+                                              Exponent exponent) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = next_max<SLACK>(row_max[mt][r], tile_row_max(s, mt, r), scale_log2);
+        const float m_new = next_max<SLACK>(row_max[mt][r], tile_max(mt, r), scale_log2);
         const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
         on_alpha(mt, r,
                  move_row<(SLACK > 0)>(s, mt, r, m_new, m_scaled, scale_log2,
-                                       [&](float x, float bias) { return fmaf(x, scale_log2, -bias); }));
+                                       [&](float x, float bias) { return exponent(mt, r, x, bias); }));
       }
     }
   }
