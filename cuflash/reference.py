@@ -377,7 +377,8 @@ def forward_blockwise(
         for visit, cols in enumerate(_blocks(tiles, block_n, nk)):
             raw = scale * (qi @ ke[:, :, cols].transpose(0, 1, 3, 2))
             side = _alibi_side(m0, block_m, cols.start, block_n, nk - nq) if one_sided else 0
-            if visit >= tiles.masked and side != 0:
+            one_sided_block = visit >= tiles.masked and side != 0  # unmasked: no mask to apply
+            if one_sided_block:
                 s, tile_max = _alibi_one_sided(raw, mods, rows, cols, nk - nq, side)
                 m_new = np.maximum(m, tile_max)
             else:
@@ -396,7 +397,7 @@ def forward_blockwise(
             alpha = np.exp(m - m_use)
             p = np.exp(s - m_use[..., None])
             l_ = alpha * l_ + p.sum(axis=-1)
-            if visit >= tiles.masked and side != 0:
+            if one_sided_block:
                 acc = alpha[..., None] * acc + p @ ve[:, :, cols]
             else:
                 acc = alpha[..., None] * acc + _masked_matmul(p, ve[:, :, cols], mask)
