@@ -61,6 +61,11 @@ struct Sm90ForwardTraits {
   // 1 of a row's largest P, and O's error reached 3x a naive FP8 computation's (NOTES.md, v32).
   static constexpr int RESCALE_SLACK =
       HD > 64 && BYTES == 2 && !Features<FEATURES>::ALIBI ? 8 : 0;
+  // Under a softcap alone in bfloat16 the softcap's c is the scores' ceiling: once a row's max
+  // comes near it the row is pinned, and a warp whose rows all are computes P with no max, no
+  // reduction and no rescale (softmax.cuh, CEILING; probabilities_pinned below). float16's P
+  // cannot span the range that takes (nor e4m3's).
+  static constexpr bool PIN_AT_CAP = ScoreMod::CAP_ONLY && ElemTraits<Elem>::F32_EXPONENTS;
   // k steps of the two products (32 bytes of every row each)
   static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
   static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
@@ -82,7 +87,7 @@ struct Sm90ForwardBlock {
   float scale_log2;
   typename Tr::ScoreMod mod;  // softcap, ALiBi (score_mod.cuh), in raw units
   float acc_o[1][Tr::NT_O][4];
-  OnlineSoftmax<1> softmax;
+  OnlineSoftmax<1, Tr::PIN_AT_CAP> softmax;
 
   // S_ij = -inf where query i may not see key j (outside its band, keys past the end): a comparison
   // or two per score against the keys each of this lane's two rows sees.
@@ -169,6 +174,18 @@ struct Sm90ForwardBlock {
       softmax.template probabilities<Tr::NT_S, SLACK>(s, scale_log2, alphas);
     }
     return SLACK == 0 || softmax.any_rescale(alphas);
+  }
+
+  // The same for an unmasked tile where every row of the warp is pinned at the softcap
+  // (Tr::PIN_AT_CAP, softmax.warp_pinned()): P = exp2(c tanh(s u / c) - c - shift) in log2 units,
+  // the cap's multiply folded into the exponent's FMA. acc_o keeps its scale (no rescale).
+  __device__ __forceinline__ void pinned_probabilities(float (&s)[1][Tr::NT_S][4]) {
+    static_assert(Tr::PIN_AT_CAP, "rows pinned at the softcap");
+    fence_accumulators(s[0]);
+    const float cap_log2 = mod.cap_out * scale_log2;
+    softmax.probabilities_pinned(s, [&](float x, float bias) {
+      return fmaf(cap_log2, tanh_fast(x * mod.cap_in), -bias);
+    });
   }
 
   // P rounded to the element type, as the A fragments of O += P V. 16-bit: n-tiles 2kk, 2kk + 1

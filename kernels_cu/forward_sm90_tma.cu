@@ -311,8 +311,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // P reaches 2^RESCALE_SLACK under the trailing row max (softmax.cuh): where the host scales P
     // down (bfloat16, p_shift > 0; see forward.cu) the slack goes into the shift too.
     constexpr int SLACK = Tr::RESCALE_SLACK;
-    if constexpr (SLACK > 0) blk.softmax.init(p.p_shift > 0.f ? p.p_shift + SLACK : 0.f);
-    else blk.softmax.init(p.p_shift);  // see forward.cu
+    if constexpr (Tr::PIN_AT_CAP) {
+      // Rows pinned at the softcap (bfloat16; softmax.cuh, CEILING): a pinned row's P =
+      // exp2(s - c - p_shift) stays under 2^-p_shift whatever p_shift is, with the slack in the
+      // shift.
+      blk.softmax.init(p.p_shift + SLACK);
+      blk.softmax.set_ceiling(blk.mod.cap_out, 96.f - 2.f * p.p_shift, blk.scale_log2, SLACK);
+    } else if constexpr (SLACK > 0) {
+      blk.softmax.init(p.p_shift > 0.f ? p.p_shift + SLACK : 0.f);
+    } else {
+      blk.softmax.init(p.p_shift);  // see forward.cu
+    }
     const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
     // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
     // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
@@ -340,13 +349,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
       // Under ALiBi the tiles that straddle a row's diagonal go the masked way too: the unmasked
-      // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side).
-      if (it < masked || (Tr::ScoreMod::HAS_ALIBI && blk.alibi_side(tiles.at(it)) == 0))
+      // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side). Under a pinning softcap
+      // (Tr::PIN_AT_CAP) the unmasked tiles of a warp whose rows are not all pinned yet go the
+      // masked way (its first tiles, as a rule), the others take no max.
+      if (it < masked || (Tr::ScoreMod::HAS_ALIBI && blk.alibi_side(tiles.at(it)) == 0) ||
+          (Tr::PIN_AT_CAP && !blk.softmax.warp_pinned())) {
         rescale = blk.template scores_to_probabilities<true>(tiles.at(it), s,
                                                              Tr::Mask::of(p, seq.ext), alphas);
-      else
+      } else if constexpr (Tr::PIN_AT_CAP) {
+        blk.pinned_probabilities(s);
+        rescale = false;
+      } else {
         rescale = blk.template scores_to_probabilities<false>(tiles.at(it), s,
                                                               Tr::Mask::of(p, seq.ext), alphas);
+      }
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
     // the last masked tile is in.

@@ -18,6 +18,16 @@
 // skipped (the caller's vote, `any_rescale`). P = exp2(s - m) then reaches up to 2^SLACK; the
 // caller adds SLACK to the shift where it scales P down (bfloat16), so that P stays under
 // 2^-shift as above. m, l and lse stay consistent: lse = m + log(l) whichever m.
+//
+// A ceiling (CEILING; the softcap's c: no final score exceeds it) lets a row's max stop moving for
+// good: once a row's max comes within `reach` (log2 units) of the ceiling, the row is pinned, its
+// max set to ceiling - SLACK (P's exponent bias then the ceiling plus the shift) and kept there
+// (no later tile can pass it by more than SLACK). A warp whose rows are all pinned needs no max
+// at all: P = exp2(s - ceiling - shift) (probabilities_pinned), no reduction, no rescale. P stays
+// under 2^-shift (the overflow bound above); its row's largest P is at least 2^-(reach + shift), so
+// with reach = 96 - 2 shift the P that ftz flushes (each < 2^-126, at most 2^shift of them) weigh
+// under 2^-30 of the row's sum, and P rounded to bfloat16 (float32's exponents) stay normal.
+// float16 P cannot span that range: the callers take a ceiling for bfloat16 only.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -25,20 +35,65 @@
 
 namespace cuflash {
 
-template <int MT>
+template <int MT, bool CEILING = false>
 struct OnlineSoftmax {
   float row_max[MT][2];  // running max of the raw scores of rows g and g + 8 of each m tile
   float row_sum[MT][2];  // this lane's share of sum_j exp2((s_j - row_max) * scale_log2 - shift)
   float shift;
+  // CEILING: a pinned row's max and its exponent bias, and the max from which a row is pinned
+  float pin_max, pin_bias, pin_from;
 
   __device__ __forceinline__ void init(float shift_log2) {
     shift = shift_log2;
+    if constexpr (CEILING) pin_max = pin_bias = pin_from = inf_f32();  // no pin: set_ceiling
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         row_max[mt][r] = -inf_f32();
         row_sum[mt][r] = 0.f;
+      }
+    }
+  }
+
+  // CEILING: the scores' ceiling (raw units), `reach` (log2 units; see the top) and the caller's
+  // SLACK. Call after init.
+  __device__ __forceinline__ void set_ceiling(float ceiling, float reach_log2, float scale_log2,
+                                              int slack) {
+    static_assert(CEILING, "an instance with a ceiling");
+    pin_max = ceiling - static_cast<float>(slack) / scale_log2;
+    pin_bias = pin_max * scale_log2 + shift;
+    pin_from = ceiling - reach_log2 / scale_log2;
+  }
+
+  // Whether every row of the warp is pinned (CEILING): its tiles may take probabilities_pinned.
+  __device__ __forceinline__ bool warp_pinned() const {
+    bool pinned = true;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      pinned = pinned && row_max[mt][0] == pin_max && row_max[mt][1] == pin_max;
+    return __all_sync(0xffffffffu, pinned);
+  }
+
+  // S <- P = exp2(exponent(s, pin_bias)) and l += rowsum(P) for a tile whose rows are all pinned:
+  // their max stays, no rescale (alpha = 1).
+  template <int NT_S, typename Exponent>
+  __device__ __forceinline__ void probabilities_pinned(float (&s)[MT][NT_S][4], Exponent exponent) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float p = fast_exp2(exponent(s[mt][nt][e], pin_bias));
+            s[mt][nt][e] = p;
+            sum += p;
+          }
+        }
+        row_sum[mt][r] += sum;
       }
     }
   }
@@ -144,7 +199,7 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = next_max<SLACK>(row_max[mt][r], tile_max(mt, r), scale_log2);
+        const float m_new = pin(next_max<SLACK>(row_max[mt][r], tile_max(mt, r), scale_log2));
         const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
         on_alpha(mt, r,
                  move_row<(SLACK > 0)>(s, mt, r, m_new, m_scaled, scale_log2,
@@ -170,8 +225,8 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float raw_max = tile_row_max(s, mt, r);
-        const float m_new = next_max<SLACK>(row_max[mt][r], cap_out * tanh_fast(raw_max * cap_in),
-                                            scale_log2);
+        const float m_new = pin(next_max<SLACK>(
+            row_max[mt][r], cap_out * tanh_fast(raw_max * cap_in), scale_log2));
         const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
         alphas[mt][r] = move_row<(SLACK > 0)>(
             s, mt, r, m_new, m_scaled, scale_log2,
@@ -190,6 +245,12 @@ struct OnlineSoftmax {
       if (!((m_tile - m_old) * scale_log2 > static_cast<float>(SLACK))) return m_old;
     }
     return fmaxf(m_old, m_tile);
+  }
+
+  // A row's next max m, or pin_max where m reaches pin_from (CEILING; see the top).
+  __device__ __forceinline__ float pin(float m) const {
+    if constexpr (CEILING) return m >= pin_from ? pin_max : m;
+    else return m;
   }
 
   // The largest score of row r of m-tile mt in this tile (over the lane quad that holds it).
@@ -216,7 +277,9 @@ struct OnlineSoftmax {
     // there; the product's rounding could leave exp2 of a residual)
     float alpha = fast_exp2(row_max[mt][r] * scale_log2 - m_scaled);
     if constexpr (UNIT_IF_KEPT) alpha = m_new == row_max[mt][r] ? 1.f : alpha;
-    const float bias = m_scaled + shift;
+    // a pinned row's bias as probabilities_pinned takes it (the same rounding)
+    float bias = m_scaled + shift;
+    if constexpr (CEILING) bias = m_new == pin_max ? pin_bias : bias;
     row_max[mt][r] = m_new;
     float sum = 0.f;
 #pragma unroll

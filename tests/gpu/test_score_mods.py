@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_kernels import DTYPES, Case, alibi_slopes, check_case, make
+from test_kernels import DTYPES, Case, alibi_slopes, check_case, lse_bh64, make, to_bhsd64
 
 import cuflash
 from cuflash import _dispatch, testing
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 if testing.gpu_unavailable_reason():
     pytest.skip(f"GPU test: {testing.gpu_unavailable_reason()}", allow_module_level=True)
 torch = pytest.importorskip("torch", reason="the GPU tests make their inputs with PyTorch")
+cupy = pytest.importorskip("cupy")
 
 # One of each feature and all three together (kernels_cu/features.cuh bits 1, 2, 4 and 7).
 FEATURES = {
@@ -167,3 +168,56 @@ def test_tanh_of_the_half_precision_kernels_is_accurate_on_this_gpu():
     relative = np.abs(got[finite] - exact[finite]) / np.maximum(np.abs(exact[finite]), 1e-37)
     assert relative.max() <= 2.0**-15, f"tanh relative error {relative.max():.3g} > 2^-15"
     assert got[-3] == 1.0 and got[-2] == -1.0 and np.isnan(got[-1])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0])
+def test_softcap_rows_pinned_at_the_cap(head_dim, softcap):
+    # bfloat16 under a softcap alone: a row whose max comes within reach of the cap c is pinned,
+    # and the tiles of a warp whose rows all are take no max (kernels_cu/softmax.cuh, CEILING).
+    # Row groups of 64 (a warpgroup each): scores near +c from the first key tile; all near -c
+    # (c = 50: too far under the cap, never pinned; c = 5: pinned at once); rising across the
+    # keys (pinned at a later tile, the accumulator rescaled then); falling; plain normal
+    # scores. Each group against the float64 reference on its own (their O differ in size).
+    # Then V times 2^120 (bfloat16's top is 2^128): pinned P stay under 2^-p_shift, so the
+    # unnormalised accumulator cannot overflow.
+    nq, nk, d = 320, 2000, head_dim
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    scale = 1.0 / d**0.5
+
+    def normal(*shape):
+        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+
+    k = normal(nk, d)
+    k[:, 0] = 1.0  # a component every key shares
+    k[:, 1] = torch.linspace(-1.0, 1.0, nk, device="cuda")  # one that rises with the key
+    q = normal(nq, d)
+    q[:, :2] = 0.0
+    far = 3.0 * softcap / scale  # q . k * scale = +-3c along a special component
+    q[0:64, 0] = far  # near +c
+    q[64:128, 0] = -far  # near -c
+    q[128:192, 1] = far  # rising
+    q[192:256, 1] = -far  # falling
+    v = normal(nk, d)
+    q, k, v = (x.to(torch.bfloat16)[None, :, None, :] for x in (q, k, v))
+    for causal in (False, True):
+        options = dict(causal=causal, softcap=softcap)
+        o, lse = cuflash.attention_forward(q, k, v, **options)
+        qb, kb, vb = (to_bhsd64(x, "bshd") for x in (q, k, v))
+        kw = dict(causal=causal, scale=scale, xp=cupy, softcap=softcap)
+        o_ref, lse_ref = testing.naive_forward(qb, kb, vb, dtype="float64", **kw)
+        o_low, lse_low = testing.naive_forward(qb, kb, vb, dtype="bfloat16", **kw)
+        ob, lseb = to_bhsd64(o, "bshd"), lse_bh64(lse, "bshd")
+        for g in range(5):
+            rows = slice(64 * g, 64 * g + 64)
+            for name, got, ref, low in (("o", ob, o_ref, o_low), ("lse", lseb, lse_ref, lse_low)):
+                check = testing.compare(
+                    name, got[:, :, rows], ref[:, :, rows], low[:, :, rows], "bfloat16", cupy
+                )
+                assert check.passed, f"group {g}, causal {causal}: {check.message}"
+        o_big, lse_big = cuflash.attention_forward(q, k, v * 2.0**120, **options)
+        assert torch.isfinite(o_big.float()).all() and torch.equal(lse_big, lse)
+        check = testing.compare(
+            "o", to_bhsd64(o_big, "bshd") / 2.0**120, o_ref, o_low, "bfloat16", cupy
+        )
+        assert check.passed, f"V times 2^120, causal {causal}: {check.message}"
