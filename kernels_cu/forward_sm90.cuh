@@ -66,6 +66,12 @@ struct Sm90ForwardTraits {
   // reduction and no rescale (softmax.cuh, CEILING; probabilities_pinned below). float16's P
   // cannot span the range that takes (nor e4m3's).
   static constexpr bool PIN_AT_CAP = ScoreMod::CAP_ONLY && ElemTraits<Elem>::F32_EXPONENTS;
+  // ... and every how many n-tiles of a pinned tile take their exp2 on the FMA pipe (0: none;
+  // mma.cuh, exp2_on_fma). A pinned tile's softcap is two MUFU operations a score (tanh, exp2),
+  // which at d = 128 take as long as the products at peak: every 3rd ran 1.04-1.05x, every 2nd
+  // and 4th 1.01-1.04x; at d = 64 (issue-heavier) 0.92-0.95x and at d = 256 (half the MUFU work a
+  // FLOP) 0.86-0.92x (H100, bf16; docs/perf/NOTES.md, v34).
+  static constexpr int PINNED_EXP2_ON_FMA = HD == 128 ? 3 : 0;
   // k steps of the two products (32 bytes of every row each)
   static constexpr int K_QK = HD * BYTES / 32, K_PV = BN / Format::K_STEP;
   static constexpr int Q_BYTES = BM * HD * BYTES, KV_BYTES = BN * HD * BYTES;  // one tile, swizzled
@@ -183,9 +189,8 @@ struct Sm90ForwardBlock {
     static_assert(Tr::PIN_AT_CAP, "rows pinned at the softcap");
     fence_accumulators(s[0]);
     const float cap_log2 = mod.cap_out * scale_log2;
-    softmax.probabilities_pinned(s, [&](float x, float bias) {
-      return fmaf(cap_log2, tanh_fast(x * mod.cap_in), -bias);
-    });
+    softmax.template probabilities_pinned<Tr::NT_S, Tr::PINNED_EXP2_ON_FMA>(
+        s, [&](float x, float bias) { return fmaf(cap_log2, tanh_fast(x * mod.cap_in), -bias); });
   }
 
   // P rounded to the element type, as the A fragments of O += P V. 16-bit: n-tiles 2kk, 2kk + 1

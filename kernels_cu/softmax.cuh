@@ -76,8 +76,10 @@ struct OnlineSoftmax {
   }
 
   // S <- P = exp2(exponent(s, pin_bias)) and l += rowsum(P) for a tile whose rows are all pinned:
-  // their max stays, no rescale (alpha = 1).
-  template <int NT_S, typename Exponent>
+  // their max stays, no rescale (alpha = 1). FMA_EVERY > 0: every FMA_EVERY-th n-tile's exp2 on
+  // the FMA pipe (exp2_on_fma; its exponents here are at least -2 ceiling - shift, and P under
+  // 2^-126 weigh nothing beside the row's largest, see the top).
+  template <int NT_S, int FMA_EVERY = 0, typename Exponent>
   __device__ __forceinline__ void probabilities_pinned(float (&s)[MT][NT_S][4], Exponent exponent) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -88,7 +90,9 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float p = fast_exp2(exponent(s[mt][nt][e], pin_bias));
+            const float x = exponent(s[mt][nt][e], pin_bias);
+            const float p =
+                FMA_EVERY > 0 && nt % FMA_EVERY == FMA_EVERY - 1 ? exp2_on_fma(x) : fast_exp2(x);
             s[mt][nt][e] = p;
             sum += p;
           }
