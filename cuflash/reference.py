@@ -349,6 +349,7 @@ def forward_blockwise(
     alibi_slopes: Any = None,
     rescale_slack: float = 0.0,
     alibi_one_sided: bool = False,
+    pin_reach: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The forward kernel: per query block, the online softmax over key blocks (running max m,
     running sum l, accumulator rescaled by exp(m_old - m_new)), normalised once at the end. A row
@@ -357,13 +358,18 @@ def forward_blockwise(
     unless a block's max passes it by more than that, so that its P reach 2^slack and the
     accumulator is rescaled only where the max moved (kernels_cu/softmax.cuh).
     `alibi_one_sided`: ALiBi as the TMA forward takes it on the unmasked key blocks that lie wholly
-    on one side of every row's diagonal (_alibi_one_sided)."""
+    on one side of every row's diagonal (_alibi_one_sided).
+    `pin_reach` (log2 units; with a softcap and no ALiBi, the TMA forward's bfloat16 rows): a row
+    whose max comes within the reach of the cap c is pinned at c - slack for good, no later block
+    passing it by more than the slack (kernels_cu/softmax.cuh, CEILING)."""
     qb, kb, vb, group, scale, two_d = _prepare(q, k, v, layout, scale)
     b, hq, nq, d = qb.shape
     nk = kb.shape[2]
     visibility = _mask.Mask.of(nq, nk, resolve_window(causal, window))
     mods = _ScoreMods(softcap, alibi_slopes, b, hq)
     one_sided = alibi_one_sided and mods.slopes is not None
+    if pin_reach is not None and (softcap is None or mods.slopes is not None):
+        raise ValueError("pin_reach: the rows are pinned under a softcap alone")
     ke, ve = _expand(kb, group), _expand(vb, group)
     o = np.zeros((b, hq, nq, vb.shape[-1]))
     lse = np.full((b, hq, nq), -np.inf)
@@ -393,6 +399,10 @@ def forward_blockwise(
                 with np.errstate(invalid="ignore"):
                     moved = (m_new - m) * math.log2(math.e) > rescale_slack
                 m_new = np.where(moved, m_new, m)
+            if pin_reach is not None:  # within reach of the cap: pinned (and then kept)
+                ln2 = math.log(2.0)
+                pinned = m_new >= softcap - pin_reach * ln2
+                m_new = np.where(pinned, softcap - rescale_slack * ln2, m_new)
             m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # no -inf - -inf
             alpha = np.exp(m - m_use)
             p = np.exp(s - m_use[..., None])

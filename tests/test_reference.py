@@ -320,6 +320,45 @@ def test_blockwise_with_alibi_one_sided_matches_naive(
     assert_forward_blockwise_is_naive(q, k, v, kw, blocks, alibi_one_sided=True)
 
 
+@given(
+    problem=attention_problems(),
+    block_m=BLOCKS,
+    block_n=BLOCKS,
+    score_range=SCORE_RANGES,
+    softcap=st.sampled_from([0.5, 5.0, 30.0]),
+    reach=st.sampled_from([0.0, 8.0, 40.0, 200.0]),
+    slack=st.sampled_from([0.0, 8.0]),
+    rise=st.sampled_from([0.0, 0.05, -0.05]),
+    seed=SEEDS,
+)
+def test_blockwise_with_rows_pinned_at_the_softcap_matches_naive(
+    problem, block_m, block_n, score_range, softcap, reach, slack, rise, seed
+):
+    # The TMA forward's bfloat16 rows under a softcap alone: a row whose max comes within `reach`
+    # (log2 units) of the cap is pinned at cap - slack and its later blocks take no max
+    # (kernels_cu/softmax.cuh, CEILING). Reaches from none to every row, scores that rise or fall
+    # along the keys (rows pinned at a later block, the accumulator rescaled then): o and lse are
+    # the same function.
+    q, k, v, _ = make_inputs(problem, np.random.default_rng(seed), score_range=score_range)
+    kw = dict(problem.kwargs, softcap=softcap)
+    if rise:
+        ramp = rise * np.arange(problem.Nk) / problem.scale_value
+        q, k = to_bhsd(q, problem.layout).copy(), to_bhsd(k, problem.layout).copy()
+        q[..., 0], k[..., 0] = 1.0, ramp
+        q, k = from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
+    blocks = {"block_m": block_m, "block_n": block_n}
+    form = {"rescale_slack": slack, "pin_reach": reach}
+    assert_forward_blockwise_is_naive(q, k, v, kw, blocks, **form)
+
+
+def test_blockwise_pins_only_under_a_softcap_alone():
+    q = np.zeros((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="pin_reach"):
+        reference.forward_blockwise(q, q, q, pin_reach=8.0)
+    with pytest.raises(ValueError, match="pin_reach"):
+        reference.forward_blockwise(q, q, q, softcap=5.0, alibi_slopes=np.ones(1), pin_reach=8.0)
+
+
 def assert_forward_blockwise_is_naive(q, k, v, kw: dict, blocks: dict, **kernel_form) -> None:
     """forward_blockwise with one of the kernels' forms (`kernel_form`) gives the naive o, lse."""
     with no_warnings():
@@ -696,3 +735,30 @@ def test_blockwise_matches_naive_under_a_window(problem, left, right, block_m, b
         ("dq", "dk", "dv"), grads_b, grads, grad_atols(problem, q, k, v, do), strict=True
     ):
         assert_rel(g_b, g, 1e-10, name, atol)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0, 50.0])
+@pytest.mark.parametrize("log2_keys", [0, 11, 14, 20, 31])
+@pytest.mark.parametrize("slack", [0, 8])
+def test_pinned_rows_keep_their_probabilities_in_float32s_range(softcap, log2_keys, slack):
+    # The bounds kernels_cu/softmax.cuh (CEILING) rests on, for rows whose final scores come in
+    # key blocks: the TMA forward's shift is p_shift + slack (p_shift = ceil(log2 Nk)), its reach
+    # 96 - 2 p_shift. Every P it forms stays under 2^-p_shift (the accumulator's overflow bound),
+    # and a pinned row's largest P (under its final max) is at least 2^(p_shift - 96), so that
+    # the P that ftz flushes (under 2^-126, at most 2^p_shift of them) weigh under 2^-30 of it.
+    # Rows: scores rising to, or falling from, a top that sweeps the capped range.
+    cap = softcap * math.log2(math.e)  # log2 units
+    shift, reach = log2_keys + slack, 96.0 - 2 * log2_keys
+    for top in np.arange(-cap, cap, 0.25):
+        rising = np.linspace(-cap, top, 300)
+        for row in (rising, rising[::-1]):
+            m = -np.inf
+            for start in range(0, row.size, 64):
+                block = row[start : start + 64]
+                if not block.max() - m <= slack:  # the trailing max moves (or a first block)
+                    m = max(m, block.max())
+                if m >= cap - reach:  # pinned: the max sits at cap - slack from here on
+                    m = cap - slack
+                assert (block - m - shift).max() <= -log2_keys + 1e-9
+            if m == cap - slack:
+                assert row.max() - m - shift >= log2_keys - 96 - 1e-9

@@ -52,9 +52,9 @@ def inputs(
 def mod_options(causal: bool, mods: str, gen, slopes_shape: tuple) -> dict:
     """The call's options for mods (see run)."""
     options = {"causal": causal}
-    if mods and mods != "alibi_dense":
+    if mods and mods not in ("alibi_dense", "softcap"):
         options["window"] = (9, 4)
-    if mods == "all":
+    if mods in ("all", "softcap"):
         options["softcap"] = 5.0
     if mods in ("alibi", "alibi_dense", "all"):
         options["alibi_slopes"] = torch.rand(slopes_shape, generator=gen, device="cuda")
@@ -74,7 +74,8 @@ def run(
 ) -> None:
     """mods: "" (none), "window" (a sliding window: the LOCAL instances), "alibi" (window and
     ALiBi: the Hopper backward kernels take it), "alibi_dense" (ALiBi alone, no window: the
-    fused backward at d = 128) or "all" (window, softcap and ALiBi)."""
+    fused backward at d = 128), "softcap" (the softcap alone: the bfloat16 TMA forward's rows
+    pinned at the cap) or "all" (window, softcap and ALiBi)."""
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v, do = inputs(gen, dtype, d, aligned, (2, nq), (2, nk), kv_heads)
     options = mod_options(causal, mods, gen, (2, 4))
@@ -291,6 +292,10 @@ def main() -> int:
                 # last key block, causal with rows that see no key, a window; grouped heads
                 # (4 / 2, 4 / 1) and not
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
+                # the softcap alone over several key tiles: bfloat16's pinned tiles
+                for causal in (False, True):
+                    run(choice, dtype, d, causal, aligned=True, nq=300, nk=700, mods="softcap")
+                count += 2
                 causal = (
                     (300, 200, "alibi_dense", 4),
                     (200, 450, "", 4),
