@@ -32,7 +32,8 @@ template <typename E> struct ElemTraits;
 template <> struct ElemTraits<f16> {
   typedef unsigned short storage;
   typedef float acc;
-  static constexpr bool F32_EXPONENTS = false;  // whether it has float32's exponent range
+  // whether it has float32's exponent range (a function: a constant member would be a global)
+  static __device__ constexpr bool f32_exponents() { return false; }
   static __device__ __forceinline__ float to_acc(unsigned short x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
@@ -54,7 +55,7 @@ template <> struct ElemTraits<f16> {
 template <> struct ElemTraits<bf16> {
   typedef unsigned short storage;
   typedef float acc;
-  static constexpr bool F32_EXPONENTS = true;
+  static __device__ constexpr bool f32_exponents() { return true; }
   static __device__ __forceinline__ float to_acc(unsigned short x) {
     return __uint_as_float(static_cast<unsigned>(x) << 16);
   }
@@ -73,7 +74,7 @@ template <> struct ElemTraits<bf16> {
 template <> struct ElemTraits<e4m3> {
   typedef unsigned char storage;
   typedef float acc;
-  static constexpr bool F32_EXPONENTS = false;
+  static __device__ constexpr bool f32_exponents() { return false; }
   static __device__ __forceinline__ float to_acc(unsigned char x) {
     unsigned pair;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(static_cast<unsigned short>(x)));

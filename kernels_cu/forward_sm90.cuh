@@ -65,7 +65,7 @@ struct Sm90ForwardTraits {
   // comes near it the row is pinned, and a warp whose rows all are computes P with no max, no
   // reduction and no rescale (softmax.cuh, CEILING; probabilities_pinned below). float16's P
   // cannot span the range that takes (nor e4m3's).
-  static constexpr bool PIN_AT_CAP = ScoreMod::CAP_ONLY && ElemTraits<Elem>::F32_EXPONENTS;
+  static constexpr bool PIN_AT_CAP = ScoreMod::CAP_ONLY && ElemTraits<Elem>::f32_exponents();
   // ... and every how many n-tiles of a pinned tile take their exp2 on the FMA pipe (0: none;
   // mma.cuh, exp2_on_fma). A pinned tile's softcap is two MUFU operations a score (tanh, exp2),
   // which at d = 128 take as long as the products at peak: every 3rd ran 1.04-1.05x, every 2nd

@@ -35,17 +35,26 @@
 
 namespace cuflash {
 
+// CEILING: a pinned row's max and its exponent bias, and the max from which a row is pinned (an
+// empty base without, so that those instances keep their layout)
+template <bool CEILING>
+struct SoftmaxPins {};
+template <>
+struct SoftmaxPins<true> {
+  float pin_max, pin_bias, pin_from;
+};
+
 template <int MT, bool CEILING = false>
-struct OnlineSoftmax {
+struct OnlineSoftmax : SoftmaxPins<CEILING> {
   float row_max[MT][2];  // running max of the raw scores of rows g and g + 8 of each m tile
   float row_sum[MT][2];  // this lane's share of sum_j exp2((s_j - row_max) * scale_log2 - shift)
   float shift;
-  // CEILING: a pinned row's max and its exponent bias, and the max from which a row is pinned
-  float pin_max, pin_bias, pin_from;
 
   __device__ __forceinline__ void init(float shift_log2) {
     shift = shift_log2;
-    if constexpr (CEILING) pin_max = pin_bias = pin_from = inf_f32();  // no pin: set_ceiling
+    if constexpr (CEILING) {  // no pin until set_ceiling
+      this->pin_max = this->pin_bias = this->pin_from = inf_f32();
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -61,9 +70,9 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void set_ceiling(float ceiling, float reach_log2, float scale_log2,
                                               int slack) {
     static_assert(CEILING, "an instance with a ceiling");
-    pin_max = ceiling - static_cast<float>(slack) / scale_log2;
-    pin_bias = pin_max * scale_log2 + shift;
-    pin_from = ceiling - reach_log2 / scale_log2;
+    this->pin_max = ceiling - static_cast<float>(slack) / scale_log2;
+    this->pin_bias = this->pin_max * scale_log2 + shift;
+    this->pin_from = ceiling - reach_log2 / scale_log2;
   }
 
   // Whether every row of the warp is pinned (CEILING): its tiles may take probabilities_pinned.
@@ -71,7 +80,7 @@ struct OnlineSoftmax {
     bool pinned = true;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      pinned = pinned && row_max[mt][0] == pin_max && row_max[mt][1] == pin_max;
+      pinned = pinned && row_max[mt][0] == this->pin_max && row_max[mt][1] == this->pin_max;
     return __all_sync(0xffffffffu, pinned);
   }
 
@@ -90,7 +99,7 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float x = exponent(s[mt][nt][e], pin_bias);
+            const float x = exponent(s[mt][nt][e], this->pin_bias);
             const float p =
                 FMA_EVERY > 0 && nt % FMA_EVERY == FMA_EVERY - 1 ? exp2_on_fma(x) : fast_exp2(x);
             s[mt][nt][e] = p;
@@ -253,7 +262,7 @@ struct OnlineSoftmax {
 
   // A row's next max m, or pin_max where m reaches pin_from (CEILING; see the top).
   __device__ __forceinline__ float pin(float m) const {
-    if constexpr (CEILING) return m >= pin_from ? pin_max : m;
+    if constexpr (CEILING) return m >= this->pin_from ? this->pin_max : m;
     else return m;
   }
 
@@ -283,7 +292,7 @@ struct OnlineSoftmax {
     if constexpr (UNIT_IF_KEPT) alpha = m_new == row_max[mt][r] ? 1.f : alpha;
     // a pinned row's bias as probabilities_pinned takes it (the same rounding)
     float bias = m_scaled + shift;
-    if constexpr (CEILING) bias = m_new == pin_max ? pin_bias : bias;
+    if constexpr (CEILING) bias = m_new == this->pin_max ? this->pin_bias : bias;
     row_max[mt][r] = m_new;
     float sum = 0.f;
 #pragma unroll
