@@ -77,11 +77,15 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
 
   // Whether every row of the warp is pinned (CEILING): its tiles may take probabilities_pinned.
   __device__ __forceinline__ bool warp_pinned() const {
-    bool pinned = true;
+    if constexpr (CEILING) {
+      bool pinned = true;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      pinned = pinned && row_max[mt][0] == this->pin_max && row_max[mt][1] == this->pin_max;
-    return __all_sync(0xffffffffu, pinned);
+      for (int mt = 0; mt < MT; ++mt)
+        pinned = pinned && row_max[mt][0] == this->pin_max && row_max[mt][1] == this->pin_max;
+      return __all_sync(0xffffffffu, pinned);
+    } else {
+      return false;
+    }
   }
 
   // S <- P = exp2(exponent(s, pin_bias)) and l += rowsum(P) for a tile whose rows are all pinned:
