@@ -69,7 +69,7 @@ struct Sm90ForwardTraits {
   // ... and every how many n-tiles of a pinned tile take their exp2 on the FMA pipe (0: none;
   // mma.cuh, exp2_on_fma). A pinned tile's softcap is two MUFU operations a score (tanh, exp2),
   // which at d = 128 take as long as the products at peak: every 3rd ran 1.04-1.05x, every 2nd
-  // and 4th 1.01-1.04x; at d = 64 (issue-heavier) 0.92-0.95x and at d = 256 (half the MUFU work a
+  // and 4th 1.01-1.05x; at d = 64 (issue-heavier) 0.92-0.95x and at d = 256 (half the MUFU work a
   // FLOP) 0.86-0.92x (H100, bf16; docs/perf/NOTES.md, v34).
   static constexpr int PINNED_EXP2_ON_FMA = HD == 128 ? 3 : 0;
   // k steps of the two products (32 bytes of every row each)
