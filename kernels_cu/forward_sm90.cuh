@@ -44,7 +44,8 @@ struct Sm90ForwardTraits {
   static constexpr int NTHREADS = WARPGROUPS * 128;
   static constexpr int NT_S = BN / 8, NT_O = HD / 8;
   // Under a softcap alone, the row max of an unmasked tile from its raw scores
-  // (OnlineSoftmax::probabilities_capped): d = 64 only, where it measured faster.
+  // (OnlineSoftmax::probabilities_capped): d = 64 only, where it measured faster. This and
+  // CAP_AS_UNIT serve float16 since v34: bfloat16's unmasked tiles pin (PIN_AT_CAP below).
   static constexpr bool EARLY_CAP_MAX = ScoreMod::CAP_ONLY && HD <= 64;
   // Under a softcap alone, the unmasked tiles keep tanh(s u / c) and the softmax takes c / u as
   // their unit (OnlineSoftmax::probabilities_in_unit): the cap's multiply folds into the

@@ -286,14 +286,20 @@ def test_blockwise_with_a_trailing_max_matches_naive(
     # to every score (per key, in units of S), so that the max moves within the slack on some
     # blocks and past it on others.
     q, k, v, _ = make_inputs(problem, np.random.default_rng(seed), score_range=score_range)
-    kw = problem.kwargs
-    if rise:
-        ramp = rise * np.arange(problem.Nk) / problem.scale_value  # S gains `rise` per key
-        q, k = to_bhsd(q, problem.layout).copy(), to_bhsd(k, problem.layout).copy()
-        q[..., 0], k[..., 0] = 1.0, ramp
-        q, k = from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
+    q, k = with_key_ramp(q, k, problem, rise)
     blocks = {"block_m": block_m, "block_n": block_n}
-    assert_forward_blockwise_is_naive(q, k, v, kw, blocks, rescale_slack=slack)
+    assert_forward_blockwise_is_naive(q, k, v, problem.kwargs, blocks, rescale_slack=slack)
+
+
+def with_key_ramp(q, k, problem, rise: float):
+    """q and k with their first component set so that S gains `rise` per key (q, k as they are
+    for rise 0)."""
+    if not rise:
+        return q, k
+    ramp = rise * np.arange(problem.Nk) / problem.scale_value
+    q, k = to_bhsd(q, problem.layout).copy(), to_bhsd(k, problem.layout).copy()
+    q[..., 0], k[..., 0] = 1.0, ramp
+    return from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
 
 
 @given(
@@ -341,11 +347,7 @@ def test_blockwise_with_rows_pinned_at_the_softcap_matches_naive(
     # the same function.
     q, k, v, _ = make_inputs(problem, np.random.default_rng(seed), score_range=score_range)
     kw = dict(problem.kwargs, softcap=softcap)
-    if rise:
-        ramp = rise * np.arange(problem.Nk) / problem.scale_value
-        q, k = to_bhsd(q, problem.layout).copy(), to_bhsd(k, problem.layout).copy()
-        q[..., 0], k[..., 0] = 1.0, ramp
-        q, k = from_bhsd(q, problem.layout), from_bhsd(k, problem.layout)
+    q, k = with_key_ramp(q, k, problem, rise)
     blocks = {"block_m": block_m, "block_n": block_n}
     form = {"rescale_slack": slack, "pin_reach": reach}
     assert_forward_blockwise_is_naive(q, k, v, kw, blocks, **form)
