@@ -21,12 +21,13 @@
 //
 // A ceiling (CEILING; the softcap's c: no final score exceeds it) lets a row's max stop moving for
 // good: once a row's max comes within `reach` (log2 units) of the ceiling, the row is pinned, its
-// max set to ceiling - SLACK (P's exponent bias then the ceiling plus the shift) and kept there
-// (no later tile can pass it by more than SLACK). A warp whose rows are all pinned needs no max
-// at all: P = exp2(s - ceiling - shift) (probabilities_pinned), no reduction, no rescale. P stays
-// under 2^-shift (the overflow bound above); its row's largest P is at least 2^-(reach + shift), so
-// with reach = 96 - 2 shift the P that ftz flushes (each < 2^-126, at most 2^shift of them) weigh
-// under 2^-30 of the row's sum, and P rounded to bfloat16 (float32's exponents) stay normal.
+// max set to ceiling - SLACK and kept there (no later tile can pass it by more than SLACK); with
+// shift = p_shift + SLACK (the host's shift and the slack), P's exponent bias is then the ceiling
+// plus p_shift. A warp whose rows are all pinned needs no max at all: P = exp2(s - ceiling -
+// p_shift) (probabilities_pinned), no reduction, no rescale. P stays under 2^-p_shift (the
+// overflow bound above); its row's largest P is at least 2^-(reach + p_shift), so with reach =
+// 96 - 2 p_shift the P that ftz flushes (each < 2^-126, at most 2^p_shift of them) weigh under
+// 2^-30 of the row's sum, and P rounded to bfloat16 (float32's exponents) stay normal.
 // float16 P cannot span that range: the callers take a ceiling for bfloat16 only.
 #pragma once
 #include "common.cuh"
