@@ -37,8 +37,10 @@
 #   precompile lists the instances whose runtime binary uses local memory (exit 3 if any);
 #   PRECOMPILE_ARGS narrows it (e.g. "--features 8 9 10 11 12 13 14 15": the packed instances;
 #   "--family forward decode decode_combine append gather pack_offsets": what the KV cache runs)
-#   SANITIZE_CASES=dense|varlen|kvcache|fp8|all (default all): which calls the sanitizers run;
-#   SANITIZE_HEAD_DIMS narrows the dense calls to these head dims (every tool on each)
+#   SANITIZE_CASES=dense|varlen|kvcache|fp8|softcap|all (default all): which calls the sanitizers
+#   run (softcap: the 16-bit softcap-alone calls of dense only, bfloat16's rows pinned at the cap,
+#   at $SANITIZE_HEAD_DIMS or 64, 128, 256); SANITIZE_HEAD_DIMS narrows the dense calls to these
+#   head dims (every tool on each)
 #
 # Runs from the source tree (PYTHONPATH=.) on the machine's own packages.
 set -uo pipefail
@@ -205,6 +207,12 @@ sanitize_all() {
       sanitize synccheck synccheck --head-dim 40 128 200 256
       sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
     fi
+  fi
+  if [[ $cases == softcap ]]; then
+    local dims=${SANITIZE_HEAD_DIMS:-64 128 256}
+    sanitize memcheck_softcap memcheck --cases softcap --head-dim $dims &
+    sanitize racecheck_softcap racecheck --cases softcap --head-dim $dims
+    sanitize synccheck_softcap synccheck --cases softcap --head-dim $dims
   fi
   # packed calls (well-formed, and malformed offsets on trust): the mma (40, 200) and wgmma (128)
   # kernels with the sequence lookups

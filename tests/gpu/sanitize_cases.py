@@ -17,7 +17,9 @@ one split and several, the packed path for the exact dtypes and for chunked pref
 and paged caches, appended rows, masks and modifiers, unaligned views; lengths beyond the
 capacity and page indices outside the cache, on trust); --cases fp8 runs attention_forward_fp8
 (sm_90: head dims 16, 128, 144 and 256, causal, windows, grouped heads, descale factors or none,
-a partial last key tile and V^T's padding, a NaN value); --cases all runs every kind.
+a partial last key tile and V^T's padding, a NaN value); --cases softcap runs only the 16-bit
+softcap-alone calls of the dense kind (bfloat16's rows pinned at the cap: a short call for the
+tools that take long); --cases all runs every kind.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--cases",
-        choices=["dense", "varlen", "kvcache", "fp8", "all"],
+        choices=["dense", "varlen", "kvcache", "fp8", "softcap", "all"],
         default="dense",
         help="dense calls (the default), packed variable-length calls, KV-cache calls, or all",
     )
@@ -277,6 +279,11 @@ def main() -> int:
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
     count = 0
+    for dtype in (torch.float16, torch.bfloat16) if args.cases == "softcap" else ():
+        for d in head_dims:
+            for causal in (False, True):
+                run(choice, dtype, d, causal, aligned=True, nq=300, nk=700, mods="softcap")
+                count += 1
     for dtype in DTYPES if args.cases in ("dense", "all") else ():
         for d in head_dims:
             for causal in (False, True):
