@@ -1,6 +1,6 @@
 """The FP8 forward without a GPU: the e4m3 rounding and the naive FP8 model of the tests, the
 CPU backend of attention_forward_fp8 against the float64 reference, its argument errors, and the
-dispatch's FP8 launches (instances, tiles, maps). GPU: tests/gpu/test_fp8.py."""
+dispatch's FP8 launches (instances, tiles, maps). GPU: tests/gpu/test_fp8_gpu.py."""
 
 from __future__ import annotations
 

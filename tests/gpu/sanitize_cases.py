@@ -232,7 +232,7 @@ def run_fp8(
     )
     finite = torch.isfinite(lse_ref)
     assert torch.equal(finite, torch.isfinite(lse.cpu())), "fp8: rows that see no key differ"
-    # a sanity bound, not the accuracy policy (tests/gpu/test_fp8.py): FP8 wgmma accumulates
+    # a sanity bound, not the accuracy policy (tests/gpu/test_fp8_gpu.py): FP8 wgmma accumulates
     # with about 14 significant bits (DeepSeek-V3's report; docs/perf/NOTES.md v27), 2.9e-3 at
     # d = 16 against a CPU lse of about 15
     err = (lse.cpu() - lse_ref)[finite].abs().max().item() if finite.any() else 0.0
