@@ -238,13 +238,15 @@ if has sanitize; then
 fi
 
 if has tests; then
-  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest ${TESTS:-tests} -q \
+  # -v and straight into $OUT: a call that ends at its time limit still brings back the name and
+  # outcome of every test that ran (a -q log in the archive left only dots, and the archive
+  # itself was cut)
+  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout ${TEST_TIMEOUT:-420} $PY -m pytest ${TESTS:-tests} -v \
     -p no:cacheprovider --deselect tests/test_compile.py::test_all_kernels_compile_for_sm80_and_sm90a_without_spills \
-    --junitxml "$LOGS/junit.xml" "$@" > "$LOGS/tests.log" 2>&1
-  say "pytest exit $?: $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOGS/tests.log" | tail -1)"
-  sed -n '/cuflash GPU errors/,/^$/p' "$LOGS/tests.log" | tee -a "$SUMMARY"
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -20 | tee -a "$SUMMARY"
-  cp "$LOGS/tests.log" "$OUT/tests.log"
+    --junitxml "$LOGS/junit.xml" "$@" > "$OUT/tests.log" 2>&1
+  say "pytest exit $?: $(grep -E '^=+ .*(passed|failed).* =+$' "$OUT/tests.log" | tail -1)"
+  sed -n '/cuflash GPU errors/,/^$/p' "$OUT/tests.log" | tee -a "$SUMMARY"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 
 if has sanitize; then
