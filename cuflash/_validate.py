@@ -403,19 +403,7 @@ def check_backward_infos(
     options = _check_options(causal, window, softcap, layout)
     problem, qi, ki, vi = _check_qkv(*infos[:3], scale, options)
     doi, oi, lsei = infos[3:6]
-    for info in (doi, oi):
-        _check_dtype(info, qi.dtype)
-        if info.shape != qi.shape:
-            raise ValueError(f"{info.name} must have the shape of q {qi.shape}; got {info.shape}")
-        _check_last_dim_contiguous(info)
-    if lsei.dtype != problem.lse_dtype:
-        raise TypeError(
-            f"lse must have dtype {problem.lse_dtype} (as attention_forward returns it for "
-            f"{problem.dtype} inputs); got {lsei.dtype}"
-        )
-    if lsei.shape != problem.lse_shape:
-        words = "(N,)" if problem.two_d else "(B, Hq, Nq)"
-        raise ValueError(f"lse must have shape {words} = {problem.lse_shape}; got {lsei.shape}")
+    _check_outputs_like(problem, qi, doi, oi, lsei, "(N,)" if problem.two_d else "(B, Hq, Nq)")
     problem, alibi = _alibi_of(problem, infos[6:])
     return problem, doi, qi, ki, vi, oi, lsei, alibi
 
@@ -479,6 +467,8 @@ def check_varlen_backward(
 def _check_outputs_like(
     problem: Problem, qi: ArrayInfo, doi: ArrayInfo, oi: ArrayInfo, lsei: ArrayInfo, words: str
 ) -> None:
+    """A backward's do and o (q's dtype and shape) and lse (the forward's dtype and shape, `words`
+    naming that shape)."""
     for info in (doi, oi):
         _check_dtype(info, qi.dtype)
         if info.shape != qi.shape:
