@@ -91,6 +91,14 @@ def run(
             raise SystemExit(f"non-finite {name} for {dtype} d={d} causal={causal}")
 
 
+def run_softcap_alone(choice: KernelChoice, dtype: torch.dtype, d: int) -> int:
+    """The softcap alone over several key tiles (bfloat16's rows pinned at the cap), causal and
+    not; returns the number of runs."""
+    for causal in (False, True):
+        run(choice, dtype, d, causal, aligned=True, nq=300, nk=700, mods="softcap")
+    return 2
+
+
 def run_nan_key_before_row_0(choice: KernelChoice, dtype: torch.dtype, d: int) -> None:
     """Causal forward on Nq < Nk (end-aligned row blocks) with a NaN key that the first block's
     rows before 0 see: the repair path gets those rows flagged and must not read or write them."""
@@ -267,7 +275,8 @@ def main() -> int:
         "--cases",
         choices=["dense", "varlen", "kvcache", "fp8", "softcap", "all"],
         default="dense",
-        help="dense calls (the default), packed variable-length calls, KV-cache calls, or all",
+        help="dense calls (the default), packed variable-length calls, KV-cache calls, FP8 calls, "
+        "the 16-bit softcap-alone calls of dense, or all",
     )
     args = parser.parse_args()
     tiles = tuple(int(x) for x in args.forward_tiles[0].split(",")) if args.forward_tiles else None
@@ -281,9 +290,7 @@ def main() -> int:
     count = 0
     for dtype in (torch.float16, torch.bfloat16) if args.cases == "softcap" else ():
         for d in head_dims:
-            for causal in (False, True):
-                run(choice, dtype, d, causal, aligned=True, nq=300, nk=700, mods="softcap")
-                count += 1
+            count += run_softcap_alone(choice, dtype, d)
     for dtype in DTYPES if args.cases in ("dense", "all") else ():
         for d in head_dims:
             for causal in (False, True):
@@ -299,10 +306,7 @@ def main() -> int:
                 # last key block, causal with rows that see no key, a window; grouped heads
                 # (4 / 2, 4 / 1) and not
                 run(choice, dtype, d, False, aligned=True, nq=300, nk=384, mods="alibi_dense")
-                # the softcap alone over several key tiles: bfloat16's pinned tiles
-                for causal in (False, True):
-                    run(choice, dtype, d, causal, aligned=True, nq=300, nk=700, mods="softcap")
-                count += 2
+                count += run_softcap_alone(choice, dtype, d)
                 causal = (
                     (300, 200, "alibi_dense", 4),
                     (200, 450, "", 4),
