@@ -516,11 +516,12 @@ def _tma_instance(
     bufs = 1 if hd > 128 else 2  # buffers of the per-item tiles (kernels_cu/tma.cuh, ItemBuffers)
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
     if family == "forward":  # Q per buffer; K and V per stage; the O staging tile (16-bit); two
-        # barriers per buffer and four per stage (K and V: full and empty)
+        # barriers per buffer and four per stage (K and V: full and empty); the work item posted
+        # with each Q buffer (64 B: forward_sm90_tma.cu, POSTED_ITEM_BYTES)
         loop = FORWARD_SCHEDULES.index(schedule)
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {loop}, {features}>"
         smem = (bufs * bm + 2 * stages * bn) * row_bytes + (bm * hd * 2 if o_via_tma else 0)
-        smem += 8 * (2 * bufs + 4 * stages) + 1024
+        smem += 8 * (2 * bufs + 4 * stages) + 64 * bufs + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each

@@ -7,7 +7,8 @@
 // Persistent: a block per SM walks its share of the work list (query tile, head, batch;
 // decode_paired_work's order, in pairs where the host asks: causal work; packed calls: the list
 // that build_work_list writes before the launch, work_list.cuh). Warpgroup 0 is the
-// producer: it gives back its registers and one thread issues the TMA copies of Q (two buffers at
+// producer: it gives back its registers and one thread walks the list, posts each item with its
+// Q buffer for the consumers (PostedItem), and issues the TMA copies of Q (two buffers at
 // HD <= 128, one at 256) and of K_j, V_j (STAGES buffers each), each completing on its own "full"
 // barrier, in the order the consumers use them (K_0, then K_{j+1} before V_j).
 // Warpgroups 1 .. BM / 64 are consumers: they take the producer's registers and run the steps of
@@ -138,12 +139,26 @@ __device__ __forceinline__ int slot_row0(const Params& p, const Seq<PACKED>& seq
   else return block * BM - p.row_shift;
 }
 
+// A work item as the producer decoded it, posted beside its Q buffer before that buffer's "full"
+// arrival: the consumers take it after their wait for Q, so that the walk and the decode (64-bit
+// divisions; the packed list's loads) run once a block, on the producer's thread, and not on
+// every consumer thread's path between two items. `last`: no item follows (posted without Q).
+template <bool PACKED>
+struct PostedItem {
+  WorkItem<PACKED> work;
+  int last;
+};
+constexpr int POSTED_ITEM_BYTES = 64;  // the host's allowance per Q buffer (cuflash/_kernels.py)
+
 // The barriers of the pipeline, in shared memory after the tiles. K_j and V_j share stage
-// j % STAGES but are released apart: K_j once S_j has been computed, V_j after P_j V_j.
-template <int Q_BUFS, int STAGES>
+// j % STAGES but are released apart: K_j once S_j has been computed, V_j after P_j V_j. Then the
+// work items posted with the Q buffers.
+template <int Q_BUFS, int STAGES, bool PACKED>
 struct TmaForwardBarriers {
   unsigned long long q_full[Q_BUFS], q_empty[Q_BUFS];
   unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  PostedItem<PACKED> item[Q_BUFS];
+  static_assert(sizeof(PostedItem<PACKED>) <= POSTED_ITEM_BYTES, "the host's allowance");
 };
 
 // Stages this warp's 16 rows of the normalised O (acc, the accumulator fragments) as 16-bit
@@ -184,15 +199,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   unsigned char* sK = sQ + Q_BUFS * Tr::Q_BYTES;    // STAGES tiles
   unsigned char* sV = sK + STAGES * Tr::KV_BYTES;   // STAGES tiles
   unsigned char* sO = sV + STAGES * Tr::KV_BYTES;   // the O staging tile (STAGE_O)
-  TmaForwardBarriers<Q_BUFS, STAGES>& bar =
-      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES>*>(sO + Tr::O_STAGE_BYTES);
+  TmaForwardBarriers<Q_BUFS, STAGES, PACKED>& bar =
+      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES, PACKED>*>(sO + Tr::O_STAGE_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // The parameters are read where they are used (Tr::Mask::of(p) builds the mask there): copies
   // held through the loops cost the consumers registers.
-  // Windowed instances walk decode_chunked_work's order where the host asks (Params::walk_heads)
-  constexpr bool CHUNKABLE = Features<FEATURES>::LOCAL && !PACKED;
-  const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0,
-                            PACKED || (CHUNKABLE && p.walk_heads > 0)};  // common.cuh
 
   if (threadIdx.x == 0) {
     // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
@@ -211,6 +222,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(&maps.v);
     if constexpr (Tr::STAGE_O) prefetch_tensor_map(&maps.o);
+    // Windowed instances walk decode_chunked_work's order where the host asks (Params::walk_heads)
+    constexpr bool CHUNKABLE = Features<FEATURES>::LOCAL && !PACKED;
+    const WorkWalk<PACKED> walk{work_count<PACKED>(p), p.paired != 0,
+                              PACKED || (CHUNKABLE && p.walk_heads > 0)};  // common.cuh
     int pipe = 0;  // key tiles of earlier items: tile t in stage t % STAGES, its use t / STAGES
     int round = 0;  // work items done
     for (int step = 0; !walk.done(step); ++step) {
@@ -254,6 +269,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const int first_k = Q_BUFS == 1 && count > 0 ? 1 : 0;
       if (first_k) load(0, sK, &maps.k, bar.k_full, bar.k_empty);
       const int qb = acquire_to_fill(bar.q_empty, round);
+      bar.item[qb] = PostedItem<PACKED>{work, 0};  // seen by the consumers after the arrival
       mbar_arrive_expect_tx(&bar.q_full[qb], Tr::Q_BYTES);
 #pragma unroll
       for (int c = 0; c < Tr::COL_BLOCKS; ++c)
@@ -272,6 +288,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
       pipe += count;
     }
+    const int qb = acquire_to_fill(bar.q_empty, round);  // the end of the walk
+    bar.item[qb].last = 1;
+    mbar_arrive(&bar.q_full[qb]);
     return;
   }
 
@@ -290,14 +309,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // The thread that issues this warpgroup's O stores (STAGE_O)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
   int pipe = 0, round = 0;
-  for (int step = 0; !walk.done(step); ++step) {
-    const i64 item = walk.item(step);
-    if (item >= walk.num_work) continue;
-    const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
+  for (;;) {
+    // The next item and its Q (the producer posted the item with it; empty slots never come)
+    const int qb = acquire_to_read(bar.q_full, round);
+    if (bar.item[qb].last) break;
+    const WorkItem<PACKED> work = bar.item[qb].work;
     const BlockCoords bc = work.c;
     const Seq<PACKED> seq = work.seq;
     blk.m0 = slot_row0<BM>(p, seq, bc.block);
-    if (blk.m0 + BM <= 0 || blk.m0 >= seq.nq(p)) continue;  // an empty slot, skipped by the producer too
+    blk.sQ = sQ + qb * Tr::Q_BYTES;
     blk.mod = Tr::ScoreMod::of(p, bc.batch, bc.head, static_cast<float>(p.scale), seq.ext);
     // The FP8 forward's factors per (batch, key/value head): q's and k's scale the scores, v's O.
     float o_factor = 1.f;
@@ -328,8 +348,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // (repair.cuh).
     const int masked = tiles.masked(), count = tiles.count();
     unsigned repair = 0;
-    const int qb = acquire_to_read(bar.q_full, round);
-    blk.sQ = sQ + qb * Tr::Q_BYTES;
     auto release = [&](unsigned long long* empty) {  // the producer may load into it again
       __syncwarp();
       if (lane == 0) mbar_arrive(empty);
