@@ -156,9 +156,11 @@ struct Sm90ForwardBlock {
   // ... turned into unnormalised probabilities by the online softmax; alphas: the factor acc_o
   // must be rescaled by before this tile's P V is added (softmax.cuh; exactly 1 on rows whose max
   // stays within Tr::RESCALE_SLACK). Returns whether any row of the warp needs that rescale.
+  // `alibi_sign`: alibi_side(j) of an unmasked tile under ALiBi (its caller chose the path by it).
   template <bool MASKED>
   __device__ __forceinline__ bool scores_to_probabilities(int j, float (&s)[1][Tr::NT_S][4],
-                                                          const Mask& mask, float (&alphas)[1][2]) {
+                                                          const Mask& mask, float (&alphas)[1][2],
+                                                          int alibi_sign = 0) {
     constexpr int SLACK = Tr::RESCALE_SLACK;
     if constexpr (!MASKED && Tr::EARLY_CAP_MAX) {
       fence_accumulators(s[0]);
@@ -173,7 +175,7 @@ struct Sm90ForwardBlock {
       // ones that straddle it the masked way): one FMA a score (ScoreMod::apply_one_sided).
       fence_accumulators(s[0]);
       float row_term[1][2];
-      mod.apply_one_sided(s, m0 + warp_row0 + (lane >> 2), j * BN + 2 * (lane & 3), alibi_side(j),
+      mod.apply_one_sided(s, m0 + warp_row0 + (lane >> 2), j * BN + 2 * (lane & 3), alibi_sign,
                           row_term);
       softmax.template probabilities<Tr::NT_S, SLACK>(s, scale_log2, row_term, alphas);
     } else {
@@ -191,7 +193,7 @@ struct Sm90ForwardBlock {
     fence_accumulators(s[0]);
     const float cap_log2 = mod.cap_out * scale_log2;
     softmax.template probabilities_pinned<Tr::NT_S, Tr::PINNED_EXP2_ON_FMA>(
-        s, [&](float x, float bias) { return fmaf(cap_log2, tanh_fast(x * mod.cap_in), -bias); });
+        s, [&](float x, float bias) { return capped_exponent(x, mod.cap_in, cap_log2, bias); });
   }
 
   // P rounded to the element type, as the A fragments of O += P V. 16-bit: n-tiles 2kk, 2kk + 1

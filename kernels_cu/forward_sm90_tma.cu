@@ -370,7 +370,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side). Under a pinning softcap
       // (Tr::PIN_AT_CAP) the unmasked tiles of a warp whose rows are not all pinned yet go the
       // masked way (its first tiles, as a rule), the others take no max.
-      if (it < masked || (Tr::ScoreMod::HAS_ALIBI && blk.alibi_side(tiles.at(it)) == 0) ||
+      const int alibi_sign = Tr::ScoreMod::HAS_ALIBI ? blk.alibi_side(tiles.at(it)) : 0;
+      if (it < masked || (Tr::ScoreMod::HAS_ALIBI && alibi_sign == 0) ||
           (Tr::PIN_AT_CAP && !blk.softmax.warp_pinned())) {
         rescale = blk.template scores_to_probabilities<true>(tiles.at(it), s,
                                                              Tr::Mask::of(p, seq.ext), alphas);
@@ -378,8 +379,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         blk.pinned_probabilities(s);
         rescale = false;
       } else {
-        rescale = blk.template scores_to_probabilities<false>(tiles.at(it), s,
-                                                              Tr::Mask::of(p, seq.ext), alphas);
+        rescale = blk.template scores_to_probabilities<false>(
+            tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas, alibi_sign);
       }
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once

@@ -29,6 +29,14 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return t;
 }
 
+// The softcap's score as an exponent of the softmax, less a bias: c tanh(s u / c) in log2 units
+// minus `bias`, the cap's multiply folded into one FMA (cap_in = u / c; cap_log2: c / u times the
+// softmax's scale_log2). The unmasked tiles of the softcap alone take it (OnlineSoftmax's capped
+// and pinned tiles).
+__device__ __forceinline__ float capped_exponent(float s, float cap_in, float cap_log2, float bias) {
+  return fmaf(cap_log2, tanh_fast(s * cap_in), -bias);
+}
+
 template <bool SOFTCAP, bool ALIBI, typename T = float, bool PRECISE = false>
 struct ScoreMod {
   static constexpr bool ANY = SOFTCAP || ALIBI;

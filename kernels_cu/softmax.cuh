@@ -248,7 +248,7 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
         const float m_scaled = m_new * scale_log2;  // finite: tanh(-inf) = -1
         alphas[mt][r] = move_row<(SLACK > 0)>(
             s, mt, r, m_new, m_scaled, scale_log2,
-            [&](float x, float bias) { return fmaf(cap_log2, tanh_fast(x * cap_in), -bias); });
+            [&](float x, float bias) { return capped_exponent(x, cap_in, cap_log2, bias); });
       }
     }
   }
