@@ -206,8 +206,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // held through the loops cost the consumers registers.
 
   if (threadIdx.x == 0) {
-    // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp.
-    mbar_init_pairs(bar.q_full, bar.q_empty, 1, 4 * Tr::CONSUMERS);
+    // "full": the producer's arrival with its byte count; "empty": one arrival per consumer warp,
+    // and for Q per consumer thread (each thread's own arrival orders its reads of the posted
+    // item before the producer's next write there; compute-sanitizer's racecheck does not take a
+    // warp's __syncwarp and one lane's arrival for it, docs/perf/NOTES.md, v36).
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1, 128 * Tr::CONSUMERS);
     mbar_init_pairs(bar.k_full, bar.k_empty, 1, 4 * Tr::CONSUMERS);
     mbar_init_pairs(bar.v_full, bar.v_empty, 1, 4 * Tr::CONSUMERS);
     fence_barrier_init();
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     bool rescale = true;
     // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released.
     auto probabilities = [&](int it) {
-      if (it == count - 1) release(&bar.q_empty[qb]);  // the item's last S: Q is read
+      if (it == count - 1) mbar_arrive(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
       // Under ALiBi the tiles that straddle a row's diagonal go the masked way too: the unmasked
       // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side). Under a pinning softcap
@@ -404,7 +407,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
       blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
     };
-    if (count == 0) release(&bar.q_empty[qb]);
+    if (count == 0) mbar_arrive(&bar.q_empty[qb]);
     if constexpr (Tr::OVERLAP) {
       if (count > 0) {
         turns.begin();
