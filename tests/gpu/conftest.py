@@ -30,6 +30,28 @@ def poisoned_outputs():
     _plans.clear()
 
 
+@pytest.fixture(autouse=True)
+def cached_device_memory_returned():
+    """After each test, CuPy's pool and PyTorch's cache give their free blocks back to the
+    driver: in one process the two allocators do not see each other's cached memory, so blocks
+    that one test left in one of them could starve a large test's allocation in the other (the
+    float64 references of tests/gpu/test_fused_backward.py's waves take several GB)."""
+    yield
+    from cuflash import testing
+
+    if testing.gpu_unavailable_reason() is not None:
+        return
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def pytest_terminal_summary(terminalreporter):
     if not RECORD:
         return
