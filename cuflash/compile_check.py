@@ -13,7 +13,9 @@ Two compilers:
   instances given as name expressions. Its report is the binaries that run (the H100's
   precompile read the same registers and local memory from the driver: docs/perf/NOTES.md, v17).
 - nvcc (``--compiler nvcc``): the same units with references to every instance, as nvcc's
-  front end builds them; at the register limit its registers and spills differ from NVRTC's.
+  front end builds them; at the register limit its registers and spills differ from NVRTC's. Its
+  report also names the kernels whose wgmma ptxas serialised (C75xx), which fail the check;
+  NVRTC's log leaves those messages out.
 
     python -m cuflash.compile_check [--arch sm_80 sm_90a] [--jobs N] [--features 0 1 ...]
                                     [--source forward_sm90_tma.cu ...] [--compiler nvrtc|nvcc]
@@ -51,6 +53,9 @@ class KernelReport:
     spill_store_bytes: int
     spill_load_bytes: int
     name: str = ""  # the instance's name expression, where the compiler tells it (NVRTC)
+    # Why ptxas serialised every wgmma of the kernel (its C75xx message), or "". Only nvcc's
+    # output tells: NVRTC's log leaves these messages out.
+    wgmma_serialized: str = ""
 
     @property
     def clean(self) -> bool:
@@ -96,9 +101,14 @@ def translation_unit(source: str, specs: list[_kernels.KernelSpec]) -> str:
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SERIALIZED = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+    r"(due to .*?) in the function '([^']+)'"
+)
 
 
 def parse_ptxas(output: str) -> list[KernelReport]:
+    serialized = {m.group(3): f"{m.group(1)}: {m.group(2)}" for m in _SERIALIZED.finditer(output)}
     reports, current, stack = [], None, None
     for line in output.splitlines():
         if m := _ENTRY.search(line):
@@ -106,7 +116,15 @@ def parse_ptxas(output: str) -> list[KernelReport]:
         elif current and (m := _STACK.search(line)):
             stack = tuple(int(x) for x in m.groups())
         elif current and stack and (m := _REGS.search(line)):
-            reports.append(KernelReport(current[1], current[0], int(m.group(1)), *stack))
+            reports.append(
+                KernelReport(
+                    current[1],
+                    current[0],
+                    int(m.group(1)),
+                    *stack,
+                    wgmma_serialized=serialized.get(current[0], ""),
+                )
+            )
             current, stack = None, None
     return reports
 
@@ -261,9 +279,10 @@ def local_memory(results: list[UnitResult]) -> Kept:
 
 
 def problems(results: list[UnitResult], kept: Kept | None = None) -> list[str]:
-    """Every failure in words: build errors, missing instances, and local memory (spills, stack
-    frames) unless `kept` lists the instance with its bytes; with `kept`, also a listed instance
-    that was compiled and uses other bytes or none (the list must follow the binaries)."""
+    """Every failure in words: build errors, missing instances, wgmma serialised by ptxas (nvcc's
+    report), and local memory (spills, stack frames) unless `kept` lists the instance with its
+    bytes; with `kept`, also a listed instance that was compiled and uses other bytes or none (the
+    list must follow the binaries)."""
     kept = kept or {}
     found = []
     for unit in results:
@@ -274,6 +293,10 @@ def problems(results: list[UnitResult], kept: Kept | None = None) -> list[str]:
         if len(unit.kernels) != unit.expected:
             found.append(f"{where}: {len(unit.kernels)} kernels compiled, {unit.expected} expected")
         for k in unit.kernels:
+            if k.wgmma_serialized:
+                found.append(
+                    f"{where}: {k.name or k.mangled_name}: wgmma serialised, {k.wgmma_serialized}"
+                )
             listed = kept.get((k.arch, k.name))
             if not k.clean and listed != k.stack_bytes:
                 found.append(
