@@ -517,11 +517,11 @@ def _tma_instance(
     # Swizzled tiles (1 KB alignment slack), lse2 and D rows (float32), then the barriers.
     if family == "forward":  # Q per buffer; K and V per stage; the O staging tile (16-bit); two
         # barriers per buffer and four per stage (K and V: full and empty); the work item posted
-        # with each Q buffer (64 B: forward_sm90_tma.cu, POSTED_ITEM_BYTES)
+        # with each Q buffer
         loop = FORWARD_SCHEDULES.index(schedule)
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {loop}, {features}>"
         smem = (bufs * bm + 2 * stages * bn) * row_bytes + (bm * hd * 2 if o_via_tma else 0)
-        smem += 8 * (2 * bufs + 4 * stages) + 64 * bufs + 1024
+        smem += 8 * (2 * bufs + 4 * stages) + POSTED_ITEM_BYTES * bufs + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
     if family == "dq":  # Q, dO, lse2, D per buffer; K and V per stage; two barriers each
@@ -751,11 +751,23 @@ def expanded_source(filename: str) -> str:
     return expand(filename)
 
 
+# Shared memory the TMA forward gives the work item posted with each Q buffer
+# (forward_sm90_tma.cu, PostedItem; compiled_source holds the kernel's constant to this).
+POSTED_ITEM_BYTES = 64
+# Static_asserts that hold a source's constants to the host's: {source: C++ statements}.
+_SOURCE_ASSERTS = {
+    "forward_sm90_tma.cu": f"static_assert(cuflash::POSTED_ITEM_BYTES == {POSTED_ITEM_BYTES}, "
+    '"cuflash/_kernels.py, POSTED_ITEM_BYTES");\n',
+}
+
+
 @cache
 def compiled_source(filename: str) -> str:
     """What the compiler gets for a kernel source: the expanded file, then the static_asserts
-    that hold its Params to the host's mirror (cuflash/_params.py)."""
-    return expanded_source(filename) + "\n" + _params.layout_asserts()
+    that hold its Params to the host's mirror (cuflash/_params.py) and its constants to the
+    host's (_SOURCE_ASSERTS)."""
+    asserts = _params.layout_asserts() + _SOURCE_ASSERTS.get(filename, "")
+    return expanded_source(filename) + "\n" + asserts
 
 
 def kernel_arch(compute_capability: str) -> str:

@@ -148,7 +148,9 @@ struct PostedItem {
   WorkItem<PACKED> work;
   int last;
 };
-constexpr int POSTED_ITEM_BYTES = 64;  // the host's allowance per Q buffer (cuflash/_kernels.py)
+// The host's allowance per Q buffer (cuflash/_kernels.py, POSTED_ITEM_BYTES, which the compiled
+// source asserts equal)
+constexpr int POSTED_ITEM_BYTES = 64;
 
 // The barriers of the pipeline, in shared memory after the tiles. K_j and V_j share stage
 // j % STAGES but are released apart: K_j once S_j has been computed, V_j after P_j V_j. Then the
