@@ -225,6 +225,9 @@ FUSED_ROWS = {
     for hd, tiles in FUSED_TILES.items()
 }
 FUSED_BN = 128
+# The fused kernel's slots of turns, from the warp that counts them to the writer
+# (backward_sm90_fused.cu, FUSED_TURN_SLOTS).
+FUSED_TURN_SLOTS = 4
 SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
@@ -611,12 +614,13 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
     # (and with 64-row tiles at d = 64 the first consumer's part), lse2 and D per stage, the
-    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), 1 KB of alignment
-    # slack
+    # barriers (17 of 8 bytes with two stages, 8 of them the turns' slots), the repair flags (8 of
+    # 4 bytes) and the turns (4 of 4 bytes), 1 KB of alignment slack
     row_bytes = hd * 2
     dq_tiles = 2 if bm == 64 and hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
-    smem += 8 * stages * bm + 8 * (5 + 2 * stages) + 4 * 8 + 1024
+    smem += 8 * stages * bm + 8 * (5 + 2 * stages + 2 * FUSED_TURN_SLOTS)
+    smem += 4 * (8 + FUSED_TURN_SLOTS) + 1024
     if smem > SM90_MAX_SMEM:
         raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")
@@ -758,6 +762,8 @@ POSTED_ITEM_BYTES = 64
 _SOURCE_ASSERTS = {
     "forward_sm90_tma.cu": f"static_assert(cuflash::POSTED_ITEM_BYTES == {POSTED_ITEM_BYTES}, "
     '"cuflash/_kernels.py, POSTED_ITEM_BYTES");\n',
+    "backward_sm90_fused.cu": f"static_assert(cuflash::FUSED_TURN_SLOTS == {FUSED_TURN_SLOTS}, "
+    '"cuflash/_kernels.py, FUSED_TURN_SLOTS");\n',
 }
 
 
