@@ -614,13 +614,14 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
     # (and with 64-row tiles at d = 64 the first consumer's part), lse2 and D per stage, the
-    # barriers (17 of 8 bytes with two stages, 8 of them the turns' slots), the repair flags (8 of
-    # 4 bytes) and the turns (4 of 4 bytes), 1 KB of alignment slack
+    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), the arrival order's
+    # turn slots (FusedTurnSlots: 8 barriers and 4 turns; counted for every instance, used by
+    # some), 1 KB of alignment slack
     row_bytes = hd * 2
     dq_tiles = 2 if bm == 64 and hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
-    smem += 8 * stages * bm + 8 * (5 + 2 * stages + 2 * FUSED_TURN_SLOTS)
-    smem += 4 * (8 + FUSED_TURN_SLOTS) + 1024
+    smem += 8 * stages * bm + 8 * (5 + 2 * stages) + 4 * 8
+    smem += 8 * 2 * FUSED_TURN_SLOTS + 4 * FUSED_TURN_SLOTS + 1024
     if smem > SM90_MAX_SMEM:
         raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")

@@ -97,25 +97,79 @@ struct FusedDqOrder {
 // The turns under a right bound. Items base .. base + n - 1 share a (batch, KV head); position
 // pos = item - base holds key block n - 1 - pos / 2 (pos even) or pos / 2 (pos odd:
 // decode_paired_work). A round of the walk is G items (paired: 2 G, its even items at the round's
-// first step, its odd ones at the second, where an SM goes once its first item ends). A query
-// tile's additions: those of earlier rounds, then this round's in the order in which the items
-// are expected to reach the tile: an item's visit s comes at its start + s (in query steps),
-// the start being 0 at the round's first step and the SM's first item's steps + 1 at the second,
-// ties broken by position. Each item's visits come at increasing times, so this is one order of
-// all visits: no wait can be part of a cycle, whatever the timing. The items of the second step
-// visit their lists from the end: in ascending order, every list ending at the last tile and
-// every SM's pair costing about the same, they all reached each tile at once, and their additions
-// to it ran one after another (at d = 64, 128-row tiles, causal 16k: 0.84x the dense backward's
-// rate per tile, the consumers waiting for the staging tile; docs/perf/NOTES.md, v38).
+// first step, its odd ones at the second). A query tile's additions: those of earlier rounds, then
+// this round's at its first step, then those at its second, each from the last key block down,
+// except at the second step with grouped heads and no left bound nearer than half the keys
+// (`rising`): from the first key block up. Why (the order in which items reach a tile; a timing
+// model of the walk is in tests/test_dispatch.py): the items of a round's first step start
+// together, and block j reaches query tile t of the group's head h after about h L_j + t - 2 j
+// steps (L_j: its tiles), the last block first. At the second step, block k's item starts when
+// its SM's first item ends, which under a causal mask has 2 g (k + 1) steps (g: the group), so it
+// reaches that tile after about 2 g + h T + t + 2 k (g - 1 - h): the first block first, or all at
+// once for the last head. Turns from the last block down made the items wait there (the model:
+// 1.1-1.35x the time of the walk without turns at g = 4, 1.00-1.01x rising). With one head per
+// group every order is the same to within 1%; a narrow window's lists are about equally long,
+// so its second step arrives as its first, the last block first (rising cost up to 1.15x there).
 struct FusedBoundedOrder {
+  int n, lo, hi;     // the head's positions [lo, hi) in this item's round
+  int parity;        // paired: the parity of this item's position; else -1
+  int first_parity;  // paired: the parity of the positions at the round's first step
+  bool rising;       // this item's additions at its step go from the first key block up
+  static __device__ __forceinline__ FusedBoundedOrder of(i64 item, int n, bool paired,
+                                                         bool second_rising) {
+    const i64 round_items = paired ? 2 * static_cast<i64>(gridDim.x) : gridDim.x;
+    const i64 base = item - item % n, round0 = item / round_items * round_items;
+    FusedBoundedOrder o;
+    o.n = n;
+    o.lo = static_cast<int>(max(round0 - base, i64(0)));
+    o.hi = static_cast<int>(min(round0 + round_items - base, static_cast<i64>(n)));
+    o.parity = paired ? static_cast<int>((item - base) & 1) : -1;
+    o.first_parity = static_cast<int>(base & 1);  // global item parity 0 is the first step
+    o.rising = second_rising && paired && o.parity != o.first_parity;
+    return o;
+  }
+  static __device__ __forceinline__ int overlap(int a0, int a1, int b0, int b1) {
+    return max(0, min(a1, b1) - max(a0, b0));
+  }
+  // Positions in [a, b) of parity `par` (-1: either) whose key block lies in [jlo, jhi].
+  __device__ __forceinline__ int blocks_in(int a, int b, int par, int jlo, int jhi) const {
+    int count = 0;
+    if (par != 1) count += overlap((a + 1) >> 1, (b + 1) >> 1, n - 1 - jhi, n - jlo);
+    if (par != 0) count += overlap(a >> 1, b >> 1, jlo, jhi + 1);
+    return count;
+  }
+  // Additions before this item's (key block `block`) to a query tile that key blocks [jlo, jhi]
+  // reach.
+  __device__ __forceinline__ int turn(int block, int jlo, int jhi) const {
+    int t = blocks_in(0, lo, -1, jlo, jhi);
+    if (parity >= 0 && parity != first_parity) t += blocks_in(lo, hi, first_parity, jlo, jhi);
+    if (rising) return t + blocks_in(lo, hi, parity, jlo, min(jhi, block - 1));
+    return t + blocks_in(lo, hi, parity, max(jlo, block + 1), jhi);
+  }
+};
+
+// The turns under a causal mask at d = 64 (128-row query tiles, no score modifier; "arrival"
+// order). The walk as FusedBoundedOrder's, but the items of a round's second step visit their
+// lists from the end, and a query tile's additions come, after those of earlier rounds, in the
+// order in which this round's items are expected to reach the tile: an item's visit s at its
+// start + s (in query steps), the start being 0 at the round's first step and the SM's first
+// item's steps + 1 at the second, ties broken by position. Each item's visits come at increasing
+// times, so this is one order of all visits: no wait can be part of a cycle, whatever the timing.
+// Why: with ascending lists every list ends at the last tile and every SM's pair costs about the
+// same, so all of a round's second-step items reached each tile at once and their additions queued
+// (and at the first step a key block is one 128-row tile behind the next: a step of slack); the
+// consumers waited for the staging tile. Measured on the H200 (bf16, causal, 32 heads): 1.08-1.09x
+// at 4k-16k. With 64-row tiles (d = 128) the same change ran 0.96x, and there the blocks are two
+// steps apart: those instances keep FusedBoundedOrder (docs/perf/NOTES.md, v38).
+struct FusedArrivalOrder {
   int n, lo, hi;     // the head's positions [lo, hi) in this item's round
   int pos;           // this item's position
   int parity;        // paired: the parity of this item's position; else -1
   int first_parity;  // paired: the parity of the positions at the round's first step
-  static __device__ __forceinline__ FusedBoundedOrder of(i64 item, int n, bool paired) {
+  static __device__ __forceinline__ FusedArrivalOrder of(i64 item, int n, bool paired) {
     const i64 round_items = paired ? 2 * static_cast<i64>(gridDim.x) : gridDim.x;
     const i64 base = item - item % n, round0 = item / round_items * round_items;
-    FusedBoundedOrder o;
+    FusedArrivalOrder o;
     o.n = n;
     o.lo = static_cast<int>(max(round0 - base, i64(0)));
     o.hi = static_cast<int>(min(round0 + round_items - base, static_cast<i64>(n)));
@@ -140,7 +194,7 @@ struct FusedBoundedOrder {
   }
   // When the item at position `at` (this round) is expected to visit tile q of head h (of the
   // group; `group` heads a list), in query steps from the round's start.
-  template <typename Mask, int BM, int BN, bool REVERSE>
+  template <typename Mask, int BM, int BN>
   __device__ __forceinline__ int arrival(int at, int h, int q, int group, const Mask& mask) const {
     const TileRange t = mask.query_tiles(block_at(at, n) * BN, BN, BM);
     const int len = t.count(), s = h * len + (q - t.begin);
@@ -148,20 +202,20 @@ struct FusedBoundedOrder {
     // the SM's first item: position at - 1, or the previous head's last one
     const int first = block_at(at > 0 ? at - 1 : n - 1, n);
     const int first_len = mask.query_tiles(first * BN, BN, BM).count();
-    return group * first_len + 1 + (REVERSE ? group * len - 1 - s : s);
+    return group * first_len + 1 + (group * len - 1 - s);
   }
   // Additions before this item's to query tile q of head h (of the group) that key blocks
   // [jlo, jhi] reach: every lane of a warp calls it, and each gets the count.
-  template <typename Mask, int BM, int BN, bool REVERSE>
+  template <typename Mask, int BM, int BN>
   __device__ __forceinline__ int turn(int h, int q, int jlo, int jhi, int group,
                                       const Mask& mask, int lane) const {
-    const int mine = arrival<Mask, BM, BN, REVERSE>(pos, h, q, group, mask);
+    const int mine = arrival<Mask, BM, BN>(pos, h, q, group, mask);
     int before = 0;
 #pragma unroll 1
     for (int at = lo + lane; at < hi; at += 32) {
       const int j = block_at(at, n);
       if (at == pos || j < jlo || j > jhi) continue;
-      const int when = arrival<Mask, BM, BN, REVERSE>(at, h, q, group, mask);
+      const int when = arrival<Mask, BM, BN>(at, h, q, group, mask);
       before += when < mine || (when == mine && at < pos);
     }
     return blocks_before(lo, jlo, jhi) + __reduce_add_sync(0xffffffffu, before);
@@ -169,14 +223,14 @@ struct FusedBoundedOrder {
 };
 
 // An item's query steps (query head of the group, query tile of BM rows) and the tiles' turns, for
-// key blocks of BN keys. LOCAL: the mask has a left bound too (a window). REVERSE: the second
-// step's items visit their lists from the end (FusedBoundedOrder; not with score modifiers, whose
-// instances' consumers spilled with the one more register it takes).
-template <bool BOUNDED, bool LOCAL, int BM, int BN, bool REVERSE>
+// key blocks of BN keys. LOCAL: the mask has a left bound too (a window). ARRIVAL: the turns of
+// FusedArrivalOrder, counted by warp 2 (its loop over the round's items spilled in the writer's
+// 40 registers) and handed to the writer through FusedTurnSlots.
+template <bool BOUNDED, bool LOCAL, int BM, int BN, bool ARRIVAL>
 struct FusedSteps;
 
-template <int BM, int BN, bool REVERSE>
-struct FusedSteps<false, false, BM, BN, REVERSE> {  // every query tile of every head, rotated (FusedDqOrder)
+template <int BM, int BN>
+struct FusedSteps<false, false, BM, BN, false> {  // every query tile of every head, rotated (FusedDqOrder)
   FusedDqOrder order;
   int tiles_q;
   template <typename Mask>
@@ -193,42 +247,69 @@ struct FusedSteps<false, false, BM, BN, REVERSE> {  // every query tile of every
   // rows of dK and dV are never stored, and their dS^T rows go to shared memory as zeros.)
   __device__ __forceinline__ bool masked(int) const { return false; }
   template <typename Mask>
-  __device__ __forceinline__ int turn(const QueryStep& at, const Mask&, int, int) const {
+  __device__ __forceinline__ int turn(int, const QueryStep& at, const Mask&) const {
     return order.turn(at.head * tiles_q + at.tile);
   }
 };
 
-template <bool LOCAL, int BM, int BN, bool REVERSE>
-struct FusedSteps<true, LOCAL, BM, BN, REVERSE> {  // the tiles of the block's rows, head by head
+template <bool LOCAL, int BM, int BN>
+struct FusedSteps<true, LOCAL, BM, BN, false> {  // the tiles of the block's rows, ascending, head by head
   TileRange tiles;
-  int last;  // REVERSE: the list's last step where the item visits it from the end, else -1
   FusedBoundedOrder order;  // the writer's (dead code elsewhere)
   template <typename Mask>
   static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int block, int,
                                                   const Mask& mask) {
-    FusedSteps s{mask.query_tiles(block * BN, BN, BM), -1,
-                 FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0)};
-    if (REVERSE && s.order.second(s.order.pos)) s.last = p.group * s.tiles.count() - 1;
+    FusedSteps s{mask.query_tiles(block * BN, BN, BM),
+                 FusedBoundedOrder::of(item, p.num_blocks, p.paired != 0,
+                                       p.group > 1 && mask.left >= mask.nk - mask.left)};
     // the last key block, with padding keys: every tile masked
     if ((block + 1) * BN > mask.nk) s.tiles.full_begin = s.tiles.end;
     return s;
   }
   __device__ __forceinline__ int count(int group) const { return group * tiles.count(); }
   __device__ __forceinline__ QueryStep at(int s) const {
-    const int len = tiles.count(), v = REVERSE && last >= 0 ? last - s : s, head = v / len;
-    return QueryStep{head, tiles.begin + v - head * len};
+    const int len = tiles.count(), head = s / len;
+    return QueryStep{head, tiles.begin + s - head * len};
   }
   // The tile straddles a bound: with no left bound, every tile from full_begin on is whole
   // (mask.cuh, query_tiles: full_end = end), and the second comparison is compiled out.
   __device__ __forceinline__ bool masked(int tile) const {
     return tile < tiles.full_begin || (LOCAL && tile >= tiles.full_end);
   }
-  // Every lane of the writer's warp calls it.
+  template <typename Mask>
+  __device__ __forceinline__ int turn(int block, const QueryStep& at, const Mask& mask) const {
+    const TileRange blocks = mask.key_tiles(at.tile * BM, BM, BN);
+    return order.turn(block, blocks.begin, blocks.end - 1);
+  }
+};
+
+template <int BM, int BN>
+struct FusedSteps<true, false, BM, BN, true> {  // the tiles of the block's rows, head by head
+  TileRange tiles;
+  int last;  // the list's last step where the item visits it from the end (the second step), or -1
+  FusedArrivalOrder order;  // warp 2's (dead code elsewhere)
+  template <typename Mask>
+  static __device__ __forceinline__ FusedSteps of(const Params& p, i64 item, int block, int,
+                                                  const Mask& mask) {
+    FusedSteps s{mask.query_tiles(block * BN, BN, BM), -1,
+                 FusedArrivalOrder::of(item, p.num_blocks, p.paired != 0)};
+    if (s.order.second(s.order.pos)) s.last = p.group * s.tiles.count() - 1;
+    // the last key block, with padding keys: every tile masked
+    if ((block + 1) * BN > mask.nk) s.tiles.full_begin = s.tiles.end;
+    return s;
+  }
+  __device__ __forceinline__ int count(int group) const { return group * tiles.count(); }
+  __device__ __forceinline__ QueryStep at(int s) const {
+    const int len = tiles.count(), v = last < 0 ? s : last - s, head = v / len;
+    return QueryStep{head, tiles.begin + v - head * len};
+  }
+  __device__ __forceinline__ bool masked(int tile) const { return tile < tiles.full_begin; }
+  // Every lane of warp 2 calls it.
   template <typename Mask>
   __device__ __forceinline__ int turn(const QueryStep& at, const Mask& mask, int group,
                                       int lane) const {
     const TileRange blocks = mask.key_tiles(at.tile * BM, BM, BN);
-    return order.template turn<Mask, BM, BN, REVERSE>(at.head, at.tile, blocks.begin, blocks.end - 1, group,
+    return order.template turn<Mask, BM, BN>(at.head, at.tile, blocks.begin, blocks.end - 1, group,
                                              mask, lane);
   }
 };
@@ -306,9 +387,13 @@ __device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWal
   }
 }
 
-// Under a bound, the turns come from warp 2 (FusedBoundedOrder::turn: its loop over the round's
-// items spilled in the writer's 40 registers), a few steps ahead of the writer.
+// The arrival order's turns, from warp 2 to the writer, a few steps ahead; in shared memory after
+// FusedBarriers (cuflash/_kernels.py counts them for every fused instance).
 constexpr int FUSED_TURN_SLOTS = 4;
+struct FusedTurnSlots {
+  unsigned long long full[FUSED_TURN_SLOTS], empty[FUSED_TURN_SLOTS];
+  int turns[FUSED_TURN_SLOTS];
+};
 
 template <int STAGES>
 struct FusedBarriers {
@@ -316,11 +401,9 @@ struct FusedBarriers {
   unsigned long long q_full[STAGES], q_empty[STAGES];
   unsigned long long dq_full, dq_empty;  // the staging tile of dQ partial sums
   unsigned long long dq_first;           // d = 64: the first consumer's part is in its tile
-  unsigned long long turn_full[FUSED_TURN_SLOTS], turn_empty[FUSED_TURN_SLOTS];
   // bounded masks: some dK or dV row of consumer warp w was non-finite (repair_fused_dkdv); in
   // shared memory rather than a register live through the main loop, where ALiBi's spilled
   int repair[8];
-  int turns[FUSED_TURN_SLOTS];  // the writer's next turns
 };
 
 // BOUNDED: the mask has a right bound (causal, windows); the host picks the instance.
@@ -331,7 +414,9 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, !Mod::ANY && !F::LOCAL> Steps;
+  // the arrival order where it was measured faster (FusedArrivalOrder)
+  constexpr bool ARRIVAL = BOUNDED && BM == 128 && !F::LOCAL && !Mod::ANY;
+  typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
   static_assert(BN == 128, "two consumers of 64 keys");
@@ -376,6 +461,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   float* s_lse2 = sdQ_first + (SPLIT_KEYS ? BM * HD : 0);  // STAGES x BM
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   FusedBarriers<STAGES>& bar = *reinterpret_cast<FusedBarriers<STAGES>*>(s_delta + STAGES * BM);
+  FusedTurnSlots& slots = *reinterpret_cast<FusedTurnSlots*>(&bar + 1);  // ARRIVAL
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // the host pairs heavy items with light ones under a right bound (p.paired)
   const WorkWalk<false> walk{p.num_work, BOUNDED && p.paired != 0};
@@ -389,8 +475,8 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
     mbar_init(&bar.dq_empty, 1);             // the writer
     mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
-    mbar_init_pairs(bar.turn_full, bar.turn_empty, 1, 1);  // lane 0 of warp 2, the writer
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
+    if (ARRIVAL) mbar_init_pairs(slots.full, slots.empty, 1, 1);  // lane 0 of warp 2, the writer
     fence_barrier_init();
   }
   __syncthreads();
@@ -446,13 +532,13 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
           // The turn first, while the consumers still compute the step: the counter's round trip
           // to L2 then costs the writer nothing (it waits for no one's staged tile but its own).
           int turn;
-          if constexpr (BOUNDED) {
+          if constexpr (ARRIVAL) {
             const int slot = staged % FUSED_TURN_SLOTS;
-            mbar_wait(&bar.turn_full[slot], (staged / FUSED_TURN_SLOTS) & 1);
-            turn = *static_cast<volatile int*>(&bar.turns[slot]);
-            mbar_arrive(&bar.turn_empty[slot]);
+            mbar_wait(&slots.full[slot], (staged / FUSED_TURN_SLOTS) & 1);
+            turn = *static_cast<volatile int*>(&slots.turns[slot]);
+            mbar_arrive(&slots.empty[slot]);
           } else {
-            turn = steps.turn(at, mask, p.group, lane);
+            turn = steps.turn(bc.block, at, mask);
           }
           int* counter = p.dq_semaphores + tile;
           while (load_acquire(counter) != turn) {
@@ -470,24 +556,26 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
           store_release(counter, turn + 1);
         }
       }
-    } else if (BOUNDED && warp == 2) {  // the writer's turns under a bound, the whole warp counting
-      int staged = 0;
-      for (int step = 0; !walk.done(step); ++step) {
-        const i64 item = walk.item(step);
-        if (item >= walk.num_work) continue;
-        const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
-        const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
-        const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
-        const int count = steps.count(p.group);
-        for (int s = 0; s < count; ++s, ++staged) {
-          const int turn = steps.turn(steps.at(s), mask, p.group, lane);
-          if (lane == 0) {
-            const int slot = staged % FUSED_TURN_SLOTS;
-            mbar_wait(&bar.turn_empty[slot], ((staged / FUSED_TURN_SLOTS) & 1) ^ 1);
-            *static_cast<volatile int*>(&bar.turns[slot]) = turn;
-            mbar_arrive(&bar.turn_full[slot]);
+    } else if (warp == 2) {  // under the arrival order: the writer's turns, the whole warp counting
+      if constexpr (ARRIVAL) {
+        int staged = 0;
+        for (int step = 0; !walk.done(step); ++step) {
+          const i64 item = walk.item(step);
+          if (item >= walk.num_work) continue;
+          const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
+          const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
+          const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
+          const int count = steps.count(p.group);
+          for (int s = 0; s < count; ++s, ++staged) {
+            const int turn = steps.turn(steps.at(s), mask, p.group, lane);
+            if (lane == 0) {
+              const int slot = staged % FUSED_TURN_SLOTS;
+              mbar_wait(&slots.empty[slot], ((staged / FUSED_TURN_SLOTS) & 1) ^ 1);
+              *static_cast<volatile int*>(&slots.turns[slot]) = turn;
+              mbar_arrive(&slots.full[slot]);
+            }
+            __syncwarp();
           }
-          __syncwarp();
         }
       }
     }
