@@ -35,7 +35,9 @@
 //     additions come step by step, after those of earlier rounds, and within a step in the order
 //     the items reach the tile (from the last key block down, or, with grouped heads under a
 //     causal mask or a wide window, up at the second step): a single order of the items, so the
-//     waits cannot form a cycle, and one that follows their arrival, so they seldom wait.
+//     waits cannot form a cycle, and one that follows their arrival, so they seldom wait. At
+//     d = 64 (128-row tiles) under a causal mask without modifiers, FusedArrivalOrder instead:
+//     the second step's lists from the end, turns by expected arrival, counted by warp 2.
 // Masked tiles: pairs a query may not see get P = 0 and dS = 0, and so do the padding keys of a
 // partial last key block, whose dS would reach dQ (unbounded masks have no masked tiles: there
 // those keys' rows of dS^T are overwritten with zeros instead). Bounded masks repair the rows a
