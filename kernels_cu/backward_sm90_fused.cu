@@ -163,21 +163,12 @@ struct FusedBoundedOrder {
 // consumers waited for the staging tile. Measured on the H200 (bf16, causal, 32 heads): 1.08-1.09x
 // at 4k-16k. With 64-row tiles (d = 128) the same change ran 0.96x, and there the blocks are two
 // steps apart: those instances keep FusedBoundedOrder (docs/perf/NOTES.md, v38).
-struct FusedArrivalOrder {
-  int n, lo, hi;     // the head's positions [lo, hi) in this item's round
-  int pos;           // this item's position
-  int parity;        // paired: the parity of this item's position; else -1
-  int first_parity;  // paired: the parity of the positions at the round's first step
+struct FusedArrivalOrder : FusedBoundedOrder {  // its round's positions, parities (rising off)
+  int pos;  // this item's position
   static __device__ __forceinline__ FusedArrivalOrder of(i64 item, int n, bool paired) {
-    const i64 round_items = paired ? 2 * static_cast<i64>(gridDim.x) : gridDim.x;
-    const i64 base = item - item % n, round0 = item / round_items * round_items;
     FusedArrivalOrder o;
-    o.n = n;
-    o.lo = static_cast<int>(max(round0 - base, i64(0)));
-    o.hi = static_cast<int>(min(round0 + round_items - base, static_cast<i64>(n)));
-    o.pos = static_cast<int>(item - base);
-    o.parity = paired ? (o.pos & 1) : -1;
-    o.first_parity = static_cast<int>(base & 1);  // global item parity 0 is the first step
+    static_cast<FusedBoundedOrder&>(o) = FusedBoundedOrder::of(item, n, paired, false);
+    o.pos = static_cast<int>(item % n);
     return o;
   }
   __host__ __device__ __forceinline__ static int block_at(int pos, int n) {
@@ -186,13 +177,6 @@ struct FusedArrivalOrder {
   // A second-step item (paired walk): visits its list from the end.
   __device__ __forceinline__ bool second(int at) const {
     return parity >= 0 && (at & 1) != first_parity;
-  }
-  static __device__ __forceinline__ int overlap(int a0, int a1, int b0, int b1) {
-    return max(0, min(a1, b1) - max(a0, b0));
-  }
-  // Positions in [0, b) whose key block lies in [jlo, jhi].
-  __device__ __forceinline__ int blocks_before(int b, int jlo, int jhi) const {
-    return overlap(0, (b + 1) >> 1, n - 1 - jhi, n - jlo) + overlap(0, b >> 1, jlo, jhi + 1);
   }
   // When the item at position `at` (this round) is expected to visit tile q of head h (of the
   // group; `group` heads a list), in query steps from the round's start.
@@ -220,7 +204,7 @@ struct FusedArrivalOrder {
       const int when = arrival<Mask, BM, BN>(at, h, q, group, mask);
       before += when < mine || (when == mine && at < pos);
     }
-    return blocks_before(lo, jlo, jhi) + __reduce_add_sync(0xffffffffu, before);
+    return blocks_in(0, lo, -1, jlo, jhi) + __reduce_add_sync(0xffffffffu, before);
   }
 };
 
