@@ -387,14 +387,25 @@ def test_the_fused_backwards_turns_are_a_schedule_without_waits_on_later_work(
             assert when == sorted(when) and len(set(when)) == n
 
 
+def paired_block(pos: int, n: int) -> int:
+    """The key block at position `pos` of a head's n items (decode_paired_work)."""
+    return (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
+
+
+def round_positions(item: int, n: int, grid: int, paired: bool) -> tuple[int, int, int]:
+    """(base, lo, hi): the first item of `item`'s head and the head's positions [lo, hi) in the
+    item's round of the walk (FusedBoundedOrder::of)."""
+    round_items = 2 * grid if paired else grid
+    base, round0 = item - item % n, item // round_items * round_items
+    return base, max(round0 - base, 0), min(round0 + round_items - base, n)
+
+
 def bounded_turn(
     item: int, n: int, grid: int, paired: bool, rising: bool, block: int, jlo: int, jhi: int
 ) -> int:
     """The mirror of FusedBoundedOrder::turn (kernels_cu/backward_sm90_fused.cu); `rising`: the
     kernel's second_rising (grouped heads, no left bound nearer than half the keys)."""
-    round_items = 2 * grid if paired else grid
-    base, round0 = item - item % n, item // round_items * round_items
-    lo, hi = max(round0 - base, 0), min(round0 + round_items - base, n)
+    base, lo, hi = round_positions(item, n, grid, paired)
     parity = (item - base) & 1 if paired else -1
     first_parity = base & 1
     rising = rising and paired and parity != first_parity
@@ -404,8 +415,7 @@ def bounded_turn(
         counted = sum(
             1
             for pos in range(a, b)
-            if (par < 0 or pos & 1 == par)
-            and jl <= ((pos >> 1) if pos & 1 else n - 1 - (pos >> 1)) <= jh
+            if (par < 0 or pos & 1 == par) and jl <= paired_block(pos, n) <= jh
         )
 
         # the kernel's closed form
@@ -440,13 +450,11 @@ def arrival_turn(
     second step's items starting after their SM's first item (+ 1) and visiting their lists from
     the end."""
     bn = FUSED_BN
-    round_items = 2 * grid if paired else grid
-    base, round0 = item - item % n, item // round_items * round_items
-    lo, hi = max(round0 - base, 0), min(round0 + round_items - base, n)
+    base, lo, hi = round_positions(item, n, grid, paired)
     pos, first_parity = item - base, base & 1
 
     def block_at(at):
-        return (at >> 1) if at & 1 else n - 1 - (at >> 1)
+        return paired_block(at, n)
 
     def arrival(at):
         t = mask.query_tiles(block_at(at) * bn, bn, bm)
@@ -497,8 +505,7 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival
         arrival = kernels_arrival(mask, bm)
 
     def steps_of(item):
-        pos = item % n
-        block = (pos >> 1) if pos & 1 else n - 1 - (pos >> 1)
+        block = paired_block(item % n, n)
         t = mask.query_tiles(block * bn, bn, bm)
         out = []
         for h in range(group):
@@ -859,7 +866,7 @@ def test_walk_makespan_follows_the_kernels_walk():
                     bh, block = first_bh + within % size, nb - 1 - within // size
                 else:
                     bh, pos = divmod(item, nb)
-                    block = pos >> 1 if pos & 1 else nb - 1 - (pos >> 1)
+                    block = paired_block(pos, nb)
                 seen.add((bh, block))
                 loads[block_id] += costs[block]
         assert len(seen) == heads * nb
