@@ -12,6 +12,12 @@ import os
 import pytest
 from gpu_records import EXAMPLES, RECORD
 
+# JAX takes 75% of the GPU's memory when it first runs unless told otherwise, and these tests run
+# JAX beside CuPy and PyTorch in one process: with the default, the float64 references that
+# follow a JAX test run out of memory (test_hopper.py's walk test at d = 128 asked CuPy for 9 GB
+# with 28.7 GB allocated: docs/perf/NOTES.md, v39). Set before any test imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 @pytest.fixture(autouse=True, scope="session")
 def poisoned_outputs():
