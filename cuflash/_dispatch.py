@@ -233,7 +233,8 @@ def fused_tiles(p: Problem, choice: KernelChoice = DEFAULT) -> tuple[int, int, i
 def _rotated_fits(p: Problem, bm: int) -> bool:
     """The rotated turns need an item per start: at most group x query tiles (of bm rows) key
     blocks per head (backward_sm90_fused.cu, FusedDqOrder)."""
-    return 0 < _ceil_div(p.seq_k, _kernels.FUSED_BN) <= p.group * _ceil_div(p.seq_q, bm)
+    bn = _kernels.FUSED_BN[_kernels.head_dim_bucket(p.head_dim)]
+    return 0 < _ceil_div(p.seq_k, bn) <= p.group * _ceil_div(p.seq_q, bm)
 
 
 def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
@@ -259,7 +260,8 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     At d = 64 a causal mask (a right bound and no left bound) over more keys than queries runs
     faster on the split TMA kernels (fused 0.87-0.94x of them at Nk = 2 Nq, H100:
     docs/perf/NOTES.md, v23), where those serve the call (not with ALiBi: the table takes the
-    wgmma kernels there)."""
+    wgmma kernels there). At d = 256 a right bound (causal, windows) runs faster on the split TMA
+    kernels (fused 0.94x of them causal at 4k, H200: docs/perf/NOTES.md, v40)."""
     if choice.backward == "split" or choice.path not in (None, "tma"):
         return False
     if not fused_backward_fits(p, choice):
@@ -269,6 +271,8 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     bucket = _kernels.head_dim_bucket(p.head_dim)
     causal_like = p.mask.bounded_right and not p.mask.local
     split_tma = "tma" in _kernels.paths("dkdv", p.dtype, p.head_dim, "sm_90a", features(p))
+    if bucket == 256 and p.mask.bounded_right and split_tma:
+        return False
     return not (bucket == 64 and causal_like and p.seq_k > p.seq_q and split_tma)
 
 

@@ -201,12 +201,13 @@ def bucket_of(dtype: str, head_dim: int) -> int:
 # The fused backward (kernels_cu/backward_sm90_fused.cu): its head-dim buckets, its (BM, BN,
 # stages) per bucket (two consumer warpgroups of 64 keys; query tiles of 128 rows at d = 64, whose
 # 64-row steps were short against a step's fixed costs, docs/perf/NOTES.md v30, and of 64 rows at
-# d = 128; the stages of Q and dO), the query tile rows each bucket's kernel has, its schedules
+# d = 128; at d = 256 the two share 64 keys, each holding half of the head dim of dK and dV; the
+# stages of Q and dO), the query tile rows each bucket's kernel has, its schedules
 # (the dK/dV kernel's order of query tiles and turns: "rotated" for masks without a right bound,
 # "bounded" for those with one, such as causal and windows), and the features it has (no
 # packing; a left bound only with the bounded order).
-FUSED_BACKWARD_BUCKETS = (64, 128)
-FUSED_TILES = {64: (128, 128, 2), 128: (64, 128, 2)}
+FUSED_BACKWARD_BUCKETS = (64, 128, 256)
+FUSED_TILES = {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
 # 64-row tiles at d = 64 (cuflash/_dispatch.py, fused_tiles): where the rotated schedule needs
 # more query steps than 128-row tiles give, and for the (schedule, features) whose 128-row
 # instances spill most (NVRTC: 168-192 B a thread) and ran slower (H100, bf16, 4k: causal with
@@ -224,13 +225,20 @@ FUSED_ROWS = {
     hd: tuple(sorted({tiles[0], FUSED_SHORT_TILES.get(hd, tiles)[0]}))
     for hd, tiles in FUSED_TILES.items()
 }
-FUSED_BN = 128
+FUSED_BN = {hd: tiles[1] for hd, tiles in FUSED_TILES.items()}  # each bucket's key block
 # The fused kernel's slots of turns, from the warp that counts them to the writer
 # (backward_sm90_fused.cu, FUSED_TURN_SLOTS).
 FUSED_TURN_SLOTS = 4
 SM90_MAX_SMEM = 227 * 1024  # dynamic shared memory a block may have on sm_90
 FUSED_SCHEDULES = ("rotated", "bounded")
 FUSED_FEATURES = FEATURE_LOCAL | FEATURE_SOFTCAP | FEATURE_ALIBI
+# Feature sets a bucket's fused kernel lacks (the split kernels serve them): at d = 256 the
+# softcap's (its consumers exchange P^T ds'/ds, which is not P^T: no room for P^T's own tile) and a
+# window with ALiBi (20 B spilled, NVRTC).
+FUSED_WITHOUT = {
+    256: tuple(f for f in range(16) if f & FEATURE_SOFTCAP and not f & ~FUSED_FEATURES)
+    + (FEATURE_LOCAL | FEATURE_ALIBI,)
+}
 # Calls of at least `rows` query rows with one of `feature sets` take `tiles` where those are
 # faster than the table's (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles,
 # feature sets)}; the other feature sets keep the table's tiles at every length.
@@ -533,9 +541,13 @@ def _tma_instance(
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each, and a packed item's
     # sequence and head per buffer. The block owns BN keys: 64 per consumer warpgroup, or
-    # (hd > 128) 64 shared by two warpgroups that split the head dim.
+    # (hd > 128) 64 shared by two warpgroups that split the head dim and exchange P^T ds'/ds
+    # (float32), dS^T (16-bit) and with a softcap P^T (16-bit) through shared memory, with two
+    # barriers (Sm90DkdvKeysExchanged).
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
+    if split:
+        smem += bn * bm * (4 + 2 + (2 if features & FEATURE_SOFTCAP else 0)) + 16
     smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
@@ -587,15 +599,21 @@ def fp8_table(head_dim: int, features: int = 0) -> tuple[tuple[int, int, int], s
 def fused_backward_available(dtype: str, head_dim: int, features: int) -> bool:
     """Whether the fused backward (sm_90a) has instances for these (with either schedule: the
     dispatch picks it from the mask, cuflash/_dispatch.py)."""
+    bucket = head_dim_bucket(head_dim)
     return (
         dtype in TENSOR_CORE_DTYPES
-        and head_dim_bucket(head_dim) in FUSED_BACKWARD_BUCKETS
+        and bucket in FUSED_BACKWARD_BUCKETS
         and not features & ~FUSED_FEATURES
+        and features not in FUSED_WITHOUT.get(bucket, ())
     )
 
 
 def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> KernelSpec:
-    if hd not in FUSED_BACKWARD_BUCKETS or features & ~FUSED_FEATURES:
+    if (
+        hd not in FUSED_BACKWARD_BUCKETS
+        or features & ~FUSED_FEATURES
+        or features in FUSED_WITHOUT.get(hd, ())
+    ):
         raise ValueError(f"no fused backward at head dim {hd} with features {features}")
     if family == "dkdv" and features & FEATURE_LOCAL and schedule != "bounded":
         raise ValueError("a window (FEATURE_LOCAL) takes the fused backward's bounded schedule")
@@ -603,30 +621,40 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
         if len(tiles) != 1 or tiles[0] not in FUSED_ROWS[hd]:
             raise ValueError(f"fused dQ tiles must be (BM,), BM in {FUSED_ROWS[hd]}, got {tiles}")
         bm = tiles[0]
-        return spec(f"{name}<{elem}, {hd}, {bm}, {FUSED_BN}, {features}>", 2 * bm, 0, bm, 0)
-    ok = len(tiles) == 3 and tiles[0] in FUSED_ROWS[hd] and tiles[1] == FUSED_BN
+        return spec(f"{name}<{elem}, {hd}, {bm}, {FUSED_BN[hd]}, {features}>", 2 * bm, 0, bm, 0)
+    ok = len(tiles) == 3 and tiles[0] in FUSED_ROWS[hd] and tiles[1] == FUSED_BN[hd]
     if not (ok and 2 <= tiles[2] <= 4):
         raise ValueError(
-            f"fused dK/dV tiles at d = {hd} must be (BM in {FUSED_ROWS[hd]}, {FUSED_BN}, 2-4 "
+            f"fused dK/dV tiles at d = {hd} must be (BM in {FUSED_ROWS[hd]}, {FUSED_BN[hd]}, 2-4 "
             f"stages), got {tiles}"
         )
     bm, bn = tiles[0], tiles[1]
     stages = tiles[2]
     # K and V (one buffer), Q and dO per stage, two dS^T tiles, the float32 staging tile of dQ
-    # (and with 64-row tiles at d = 64 the first consumer's part), lse2 and D per stage, the
-    # barriers (9 of 8 bytes with two stages), the repair flags (8 of 4 bytes), the arrival order's
-    # turn slots (FusedTurnSlots: 8 barriers and 4 turns; counted for every instance, used by
-    # some), 1 KB of alignment slack
+    # (and with 64-row tiles at d = 64 the first consumer's part; at d = 256, none: dQ is staged
+    # in the stage's Q and dO buffers, DQ_IN_STAGE), lse2 and D per stage, the barriers (9 of 8
+    # bytes with two stages; at d = 256 one dq_full per stage), the repair flags (8 of 4 bytes),
+    # the arrival order's turn slots (FusedTurnSlots: 8 barriers and 4 turns; counted for every
+    # instance, used by some), 1 KB of alignment slack
+    shared_keys = hd > 128  # SHARED_KEYS: two consumers share 64 keys
+    consumers = 2 if shared_keys else bn // 64
     row_bytes = hd * 2
-    dq_tiles = 2 if bm == 64 and hd < 64 * (bn // 64) else 1  # SPLIT_KEYS
+    if shared_keys:
+        dq_tiles, dq_fulls = 0, stages
+    else:
+        dq_tiles = 2 if bm == 64 and hd < 64 * consumers else 1  # SPLIT_KEYS
+        dq_fulls = 1
+    # the consumers' exchange area where they share keys (Sm90DkdvKeysExchanged): G, two barriers
+    exchange = bm * bn * 4 + 16 if shared_keys else 0
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
-    smem += 8 * stages * bm + 8 * (5 + 2 * stages) + 4 * 8
+    smem += exchange
+    smem += 8 * stages * bm + 8 * (4 + 2 * stages + dq_fulls) + 4 * 8
     smem += 8 * 2 * FUSED_TURN_SLOTS + 4 * FUSED_TURN_SLOTS + 1024
     if smem > SM90_MAX_SMEM:
         raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {bounded}, {features}>"
-    return spec(expr, (bn // 64 + 1) * 128, smem, bn, bm)
+    return spec(expr, (consumers + 1) * 128, smem, bn, bm)
 
 
 def o_staging_fits(head_dim: int, tiles: tuple, dtype: str = "float16") -> bool:
@@ -653,7 +681,9 @@ def all_specs(arch: str = "sm_80") -> list[KernelSpec]:
                 specs.add(instance("forward", "tma", FP8_DTYPE, hd, tiles, features, o_via_tma))
     for dt in TENSOR_CORE_DTYPES if arch == "sm_90a" else ():
         for hd in FUSED_BACKWARD_BUCKETS:
-            for features in (f for f in FEATURE_SETS if not f & ~FUSED_FEATURES):
+            for features in FEATURE_SETS:
+                if not fused_backward_available(dt, hd, features):
+                    continue
                 for schedule in FUSED_SCHEDULES:
                     if not (features & FEATURE_LOCAL and schedule == "rotated"):
                         fused = instance("dkdv", "fused", dt, hd, None, features, schedule=schedule)

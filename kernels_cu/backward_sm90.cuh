@@ -139,19 +139,14 @@ struct Sm90DqRows {
 };
 
 // dK and dV of one warpgroup's 64 keys (rows wg * 64 .. of the block's BN-row K and V tiles), all
-// HD columns. With COLS = HD / 2 (HD = 256, where dK and dV of 64 keys take 2 x 128 registers a
-// thread) two warpgroups share the block's 64 keys instead and each accumulates the dV and dK
-// columns of its half of the head dim; both compute S^T and dP^T of all 64 keys (the same
-// products twice: faster than exchanging P^T and dS^T through shared memory between them,
-// docs/perf/NOTES.md, v7).
+// HD columns. (At HD = 256, where dK and dV of 64 keys take 2 x 128 registers a thread, two
+// warpgroups share 64 keys instead: Sm90DkdvKeysExchanged, backward_sm90_tma.cuh.)
 // ROWS_AFTER_WAIT: the query rows' terms (S^T's columns) are formed after the scores' wait
 // (probabilities; the fused kernel's 128-row tiles with ALiBi).
-template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, int COLS_ = HD,
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod,
           bool ROWS_AFTER_WAIT = false>
 struct Sm90DkdvKeys {
-  static constexpr int COLS = COLS_;  // the head-dim columns of dK and dV this warpgroup holds
-  static constexpr bool SHARED_KEYS = COLS < HD;
-  static_assert(!SHARED_KEYS || (BN == 64 && 2 * COLS == HD), "two warpgroups split 64 keys");
+  static constexpr int COLS = HD;  // the head-dim columns of dK and dV this warpgroup holds
   static constexpr int NT_Q = BM / 8, NT_D = COLS / 8;
   const unsigned char *sK, *sV;
   int wg, lane;
@@ -160,11 +155,9 @@ struct Sm90DkdvKeys {
   Mod mod;            // score modifiers of the current query head (score_mod.cuh), raw units
   float acc_dk[NT_D][4], acc_dv[NT_D][4];
 
-  __device__ __forceinline__ int col0() const { return SHARED_KEYS ? wg * COLS : 0; }
+  __device__ __forceinline__ int col0() const { return 0; }  // this warpgroup's first column
   // This warp's first key within the block (warp_index: among the consumer warps).
-  static __device__ __forceinline__ int key_row0(int warp_index) {
-    return SHARED_KEYS ? (warp_index & 3) * 16 : warp_index * 16;
-  }
+  static __device__ __forceinline__ int key_row0(int warp_index) { return warp_index * 16; }
 
   __device__ __forceinline__ void clear() {
 #pragma unroll
@@ -182,7 +175,7 @@ struct Sm90DkdvKeys {
 
   __device__ __forceinline__ void issue_scores(const unsigned char* q_tile,
                                                const unsigned char* do_tile) {
-    const int keys0 = SHARED_KEYS ? 0 : wg * 64;
+    const int keys0 = wg * 64;
     wgmma_fence();
     wgmma_abt_head_dim<Elem, HD, BN, BM>(st, sK, keys0, q_tile);    // S^T = K Q_i^T
     wgmma_abt_head_dim<Elem, HD, BN, BM>(dpt, sV, keys0, do_tile);  // dP^T = V dO_i^T
@@ -228,13 +221,12 @@ struct Sm90DkdvKeys {
     }
   }
 
-  // f must stay unmodified until this group is complete. B: this warpgroup's column blocks.
+  // f must stay unmodified until this group is complete.
   __device__ __forceinline__ void issue_grads(Frags& f, const unsigned char* q_tile,
                                               const unsigned char* do_tile) {
-    const int cols = (col0() / 64) * (BM * 128);
     wgmma_fence();
-    wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_tile + cols);  // dV += P^T dO_i
-    wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_tile + cols);  // dK += dS^T Q_i
+    wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_tile);  // dV += P^T dO_i
+    wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_tile);  // dK += dS^T Q_i
     wgmma_commit();
   }
 

@@ -330,10 +330,11 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const void* src, uns
 // the main loop carries one flag rather than this code's registers (inlined in the loop's
 // epilogue, it pushed the consumers into spills); a row that is non-finite for a visible reason is
 // recomputed to the same value.
-template <typename Elem, int HD, int BN, typename Mask, typename Mod>
+// COLS: the columns from col0 this warp holds (HD = 256: its warpgroup's half of the head dim).
+template <typename Elem, int HD, int COLS, int BN, typename Mask, typename Mod>
 __device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWalk<false>& walk,
-                                                  int key_row0, int lane) {
-  constexpr int CPL = HD / 32;  // columns per lane
+                                                  int key_row0, int col0, int lane) {
+  constexpr int CPL = COLS / 32;  // columns per lane
   const float scale = static_cast<float>(p.scale);
 #pragma unroll 1
   for (int step = 0; !walk.done(step); ++step) {
@@ -353,7 +354,7 @@ __device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWal
       if (j < p.seq_k) {
 #pragma unroll
         for (int c = 0; c < CPL; ++c) {
-          const int col = lane + 32 * c;
+          const int col = col0 + lane + 32 * c;
           if (col < p.head_dim) {
             const float a = ElemTraits<Elem>::to_acc(dk_head[j * p.dk.seq + col]);
             const float b = ElemTraits<Elem>::to_acc(dv_head[j * p.dv.seq + col]);
@@ -364,13 +365,28 @@ __device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWal
       if (__any_sync(0xffffffffu, bad) && lane == 4 * (rl & 7)) rows |= 1u << ((rl >> 3) & 1);
     }
     if (__any_sync(0xffffffffu, rows != 0))
-      recompute_dkdv_rows<Elem, HD, HD, Mod>(
-          dk_head + key0 * p.dk.seq, dv_head + key0 * p.dv.seq, p.dk.seq, p.head_dim, rows, scale,
-          scale * 1.4426950408889634f, p, seq, bc.head,
+      recompute_dkdv_rows<Elem, HD, COLS, Mod>(
+          dk_head + key0 * p.dk.seq, dv_head + key0 * p.dv.seq, p.dk.seq,
+          COLS < HD ? min(p.head_dim - col0, COLS) : p.head_dim, rows, scale, scale * 1.4426950408889634f, p, seq, bc.head,
           seq.template k_rows<const unsigned short>(p.k, bc.head),
-          seq.template k_rows<const unsigned short>(p.v, bc.head), key0, 0, Mask::of(p, seq.ext),
-          lane);
+          seq.template k_rows<const unsigned short>(p.v, bc.head), key0, col0,
+          Mask::of(p, seq.ext), lane);
   }
+}
+
+// dQ_part (+)= dS K over K16_STEPS steps of 16 keys from k16_first: A = dS^T (a tile of BN key rows
+// from ds_rows), B = N columns of K (from k_cols), both read MN-major. No wait.
+template <typename Elem, int N, int BN, int K16_STEPS>
+__device__ __forceinline__ void issue_dq_part(float (&acc)[N / 8][4], const unsigned char* ds_rows,
+                                              const unsigned char* k_cols, int k16_first) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K16_STEPS; ++kk) {
+    const int k16 = k16_first + kk;
+    wgmma_ss_tt<Elem, N>(acc, smem_desc(ds_rows + k16 * 2048, BN * 128, 1024),
+                         smem_desc(k_cols + k16 * 2048, BN * 128, 1024), kk > 0);
+  }
+  wgmma_commit();
 }
 
 // The arrival order's turns, from warp 2 to the writer, a few steps ahead; in shared memory after
@@ -381,11 +397,27 @@ struct FusedTurnSlots {
   int turns[FUSED_TURN_SLOTS];
 };
 
-template <int STAGES>
+// The consumers' steps: Sm90DkdvKeys (64 keys a consumer, every column), or, with two consumers
+// sharing 64 keys (HD = 256), Sm90DkdvKeysExchanged; BYTES: its exchange area.
+template <bool SHARED, typename Elem, int HD, int BM, int BN, typename Mask, typename Mod,
+          bool ROWS_AFTER_WAIT>
+struct FusedKeys {
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> Type;
+  static constexpr int BYTES = 0;
+};
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, bool ROWS_AFTER_WAIT>
+struct FusedKeys<true, Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> {
+  typedef Sm90DkdvKeysExchanged<Elem, HD, BM, BN, Mask, Mod> Type;
+  static constexpr int BYTES = Type::EXCHANGE_BYTES;
+};
+
+// DQ_FULLS: the barriers that say a staged dQ tile is in: one (the staging tile), or one per stage
+// (d = 256: dQ staged in the stage's Q and dO buffers).
+template <int STAGES, int DQ_FULLS = 1>
 struct FusedBarriers {
   unsigned long long kv_full, kv_empty;  // K and V of a work item
   unsigned long long q_full[STAGES], q_empty[STAGES];
-  unsigned long long dq_full, dq_empty;  // the staging tile of dQ partial sums
+  unsigned long long dq_full[DQ_FULLS], dq_empty;  // the staged tiles of dQ partial sums
   unsigned long long dq_first;           // d = 64: the first consumer's part is in its tile
   // bounded masks: some dK or dV row of consumer warp w was non-finite (repair_fused_dkdv); in
   // shared memory rather than a register live through the main loop, where ALiBi's spilled
@@ -394,38 +426,56 @@ struct FusedBarriers {
 
 // BOUNDED: the mask has a right bound (causal, windows); the host picks the instance.
 template <typename Elem, int HD, int BM, int BN, int STAGES, bool BOUNDED, int FEATURES>
-__global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
+__global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     attention_backward_fused_tma(const __grid_constant__ BackwardMaps maps,
                                  const __grid_constant__ Params p) {
   typedef Features<FEATURES> F;
   typedef typename F::Mask Mask;
   typedef typename F::template ScoreMod<> Mod;
-  // the arrival order where it was measured faster (FusedArrivalOrder)
-  constexpr bool ARRIVAL = BOUNDED && BM == 128 && !F::LOCAL && !Mod::ANY;
+  // the arrival order where it was measured faster (FusedArrivalOrder): query tiles as tall as
+  // the key blocks are wide (d = 64's 128 rows; d = 256's 64, where the timing model of
+  // tests/test_dispatch.py gives it 1.00x the walk without turns, the other order 1.02-1.03x)
+  constexpr bool ARRIVAL = BOUNDED && BM == BN && !F::LOCAL && !Mod::ANY;
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
-  static_assert(BN == 128, "two consumers of 64 keys");
-  constexpr int CONSUMERS = BN / 64;
+  // SHARED_KEYS (HD = 256, where dK and dV of 64 keys take 2 x 128 registers a thread): the two
+  // consumers share the block's 64 keys, each holding dK and dV of its half of the head dim; one
+  // computes S^T, the other dP^T, and they exchange P^T and dS^T (Sm90DkdvKeysExchanged, as the
+  // split dK/dV kernel); else each holds 64 keys of BN = 128 and every column.
+  constexpr bool SHARED_KEYS = HD > 128;
+  static_assert(SHARED_KEYS ? BN == 64 && BM == 64 : BN == 128, "consumers of 64 keys");
+  constexpr int CONSUMERS = SHARED_KEYS ? 2 : BN / 64;
   // dQ_part = dS K, split between the consumers one of three ways:
   //  - SPLIT_ROWS (BM = 128, HD = 64): each computes its 64 of the tile's queries, every column,
   //    over all BN keys (A = its column block of dS^T);
-  //  - by columns (BM = 64, HD = 128): each computes one 64-column block of K over all BN keys;
+  //  - by columns (BM = 64, HD = 128 or 256): each computes its half of the columns (64-column
+  //    blocks of K) over all BN keys;
   //  - SPLIT_KEYS (BM = 64, HD = 64): a consumer's share of the columns (32) is not a swizzle atom
   //    of K read MN-major, so each computes all HD columns over its own 64 keys, and the second
   //    stages the sum of both parts.
   constexpr bool SPLIT_ROWS = BM == 64 * CONSUMERS;
   constexpr bool SPLIT_KEYS = !SPLIT_ROWS && HD < 64 * CONSUMERS;
-  static_assert(SPLIT_ROWS ? HD == 64 : BM == 64 && (HD == 64 || HD == 128),
-                "64-row query tiles at d = 64 and 128, 128-row ones at d = 64");
+  static_assert(SPLIT_ROWS ? HD == 64 : BM == 64 && (HD == 64 || HD == 128 || HD == 256),
+                "64-row query tiles at d = 64, 128 and 256, 128-row ones at d = 64");
+  // DQ_IN_STAGE (HD = 256): no room for a staging tile of BM x HD float32 (64 KB) beside two
+  // stages; each consumer stages its half of dQ_part in the step's Q (first consumer) or dO
+  // (second) buffer, once both consumers' products that read them are complete, and the writer
+  // releases the stage (q_empty) once its reductions have read them.
+  constexpr bool DQ_IN_STAGE = SHARED_KEYS;
+  constexpr int DQ_FULLS = DQ_IN_STAGE ? STAGES : 1;
   constexpr int DQ_COLS = SPLIT_ROWS || SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static_assert(4 * CONSUMERS <= 8, "a repair flag per consumer warp");
   // Registers: the producer warpgroup's two working warps need more than the 24 of
-  // WarpSpecialisedRegisters (it spilled 152 B there); the consumers fit in 232.
-  constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+  // WarpSpecialisedRegisters (it spilled 152 B there); the consumers fit in 232. SHARED_KEYS with
+  // the arrival order: warp 2's turns spilled 16 B in 40, and those consumers (no modifier) fit
+  // in 224 (the modifiers' spilled 8-92 B there).
+  constexpr bool WIDE_PRODUCER = SHARED_KEYS && ARRIVAL;
+  constexpr int PRODUCER_REGISTERS = WIDE_PRODUCER ? 56 : 40;
+  constexpr int CONSUMER_REGISTERS = WIDE_PRODUCER ? 224 : 232;
   // setmaxnreg moves only the registers the block was launched with (65536 / threads, rounded
   // down to 8 a thread): a consumers' increase beyond what the producers gave back waits forever
   constexpr int LAUNCH_REGISTERS = 65536 / (128 + CONSUMER_THREADS) / 8 * 8;
@@ -434,7 +484,10 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
                 "registers");
   // 128-row tiles with ALiBi: the rows' terms after the scores' wait (Sm90DkdvKeys::probabilities;
   // the other instances were measured without it)
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, HD, SPLIT_ROWS && Mod::HAS_ALIBI> Keys;
+  typedef typename FusedKeys<SHARED_KEYS, Elem, HD, BM, BN, Mask, Mod,
+                             SPLIT_ROWS && Mod::HAS_ALIBI>::Type Keys;
+  static_assert(!SHARED_KEYS || !Mod::HAS_SOFTCAP, "no room for P^T's exchange tile");
+  constexpr int EXCHANGE_BYTES = FusedKeys<SHARED_KEYS, Elem, HD, BM, BN, Mask, Mod, false>::BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* sK = smem;                       // one tile
@@ -442,11 +495,14 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   unsigned char* sQ = sV + KEYS_BYTES;            // STAGES tiles
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;  // STAGES tiles
   unsigned char* sdS = sdO + STAGES * ROWS_BYTES; // dS^T, two tiles: BN key rows of BM queries
-  float* sdQ = reinterpret_cast<float*>(sdS + 2 * DS_BYTES);  // staging tile, fragment order
-  float* sdQ_first = sdQ + BM * HD;  // SPLIT_KEYS: the first consumer's part, fragment order
+  unsigned char* sX = sdS + 2 * DS_BYTES;  // SHARED_KEYS: the consumers' exchange area
+  // staging tile, fragment order (none with DQ_IN_STAGE)
+  float* sdQ = reinterpret_cast<float*>(sX + EXCHANGE_BYTES);
+  float* sdQ_first = sdQ + (DQ_IN_STAGE ? 0 : BM * HD);  // SPLIT_KEYS: the first consumer's part
   float* s_lse2 = sdQ_first + (SPLIT_KEYS ? BM * HD : 0);  // STAGES x BM
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
-  FusedBarriers<STAGES>& bar = *reinterpret_cast<FusedBarriers<STAGES>*>(s_delta + STAGES * BM);
+  typedef FusedBarriers<STAGES, DQ_FULLS> Barriers;
+  Barriers& bar = *reinterpret_cast<Barriers*>(s_delta + STAGES * BM);
   FusedTurnSlots& slots = *reinterpret_cast<FusedTurnSlots*>(&bar + 1);  // ARRIVAL
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // the host pairs heavy items with light ones under a right bound (p.paired)
@@ -457,10 +513,13 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
     mbar_init(&bar.kv_full, 1);
     mbar_init(&bar.kv_empty, 4 * CONSUMERS);
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
-    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS);
-    mbar_init(&bar.dq_full, SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
+    // (and, DQ_IN_STAGE, the writer)
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS + (DQ_IN_STAGE ? 1 : 0));
+    for (int i = 0; i < DQ_FULLS; ++i)
+      mbar_init(&bar.dq_full[i], SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
     mbar_init(&bar.dq_empty, 1);             // the writer
     mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
+    if constexpr (SHARED_KEYS) Keys::init(sX);
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     if (ARRIVAL) mbar_init_pairs(slots.full, slots.empty, 1, 1);  // lane 0 of warp 2, the writer
     fence_barrier_init();
@@ -529,14 +588,28 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
           int* counter = p.dq_semaphores + tile;
           while (load_acquire(counter) != turn) {
           }
-          mbar_wait(&bar.dq_full, staged & 1);
+          const int stage = staged % STAGES;
+          if constexpr (DQ_IN_STAGE) mbar_wait(&bar.dq_full[stage], (staged / STAGES) & 1);
+          else mbar_wait(&bar.dq_full[0], staged & 1);
           fence_proxy_async_global();  // the earlier turns' additions before this one
           float* sums = p.dq_accum + tile * (BM * HD);
-          if (turn == 0) bulk_store(sums, sdQ, DQ_BYTES);
-          else bulk_reduce_add(sums, sdQ, DQ_BYTES);
+          if constexpr (DQ_IN_STAGE) {  // the consumers' halves: in the stage's Q and dO buffers
+            float* second = sums + BM * HD / 2;
+            if (turn == 0) {
+              bulk_store(sums, sQ + stage * ROWS_BYTES, DQ_BYTES / 2);
+              bulk_store(second, sdO + stage * ROWS_BYTES, DQ_BYTES / 2);
+            } else {
+              bulk_reduce_add(sums, sQ + stage * ROWS_BYTES, DQ_BYTES / 2);
+              bulk_reduce_add(second, sdO + stage * ROWS_BYTES, DQ_BYTES / 2);
+            }
+          } else {
+            if (turn == 0) bulk_store(sums, sdQ, DQ_BYTES);
+            else bulk_reduce_add(sums, sdQ, DQ_BYTES);
+          }
           bulk_commit();
-          bulk_wait_read<0>();  // the staging tile is read: the consumers may fill it again
-          mbar_arrive(&bar.dq_empty);
+          bulk_wait_read<0>();  // the staged tile is read: the consumers (or the producer) may fill it
+          if constexpr (DQ_IN_STAGE) mbar_arrive(&bar.q_empty[stage]);
+          else mbar_arrive(&bar.dq_empty);
           bulk_wait<0>();  // written
           fence_proxy_async_global();
           store_release(counter, turn + 1);
@@ -578,6 +651,7 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
   keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   keys.sK = sK;
   keys.sV = sV;
+  if constexpr (SHARED_KEYS) keys.sX = sX;
   // pipe: the query steps so far (the stages' and the staging tile's phases); the items so far are
   // `step` (items past the list come only at the walk's end)
   int pipe = 0;
@@ -604,125 +678,177 @@ __global__ void __launch_bounds__(BN / 64 * 128 + 128, 1)
       const unsigned char* q_tile = sQ + stage * ROWS_BYTES;
       const unsigned char* do_tile = sdO + stage * ROWS_BYTES;
       typename Keys::Frags f;
-      keys.issue_scores(q_tile, do_tile);
-      wgmma_wait<0>();
-      // two copies: the unmasked tiles' (nearly all) without the mask's code
-      if (steps.masked(at.tile))
-        keys.probabilities(true, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
-                           Mask::of(p, work.seq.ext));
-      else
-        keys.probabilities(false, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
-                           Mask::of(p, work.seq.ext));
-      // dS^T of this warp's 16 keys into rows 64 wg + 16 w .. of one of two tiles, in turn: the
-      // last products that read this one (two tiles back) were waited for before the other
-      // consumer passed the barrier below on the previous tile.
-      unsigned char* ds_tile = sdS + (pipe & 1) * DS_BYTES;
-      {
-        // 16-byte chunk c of a row (queries 8 c ..) lies in column block c / 8 of BN rows
-        const int mi = lane >> 3, row = key_row0 + (mi & 1) * 8 + (lane & 7);
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-          const int chunk = 2 * kk + (mi >> 1);
-          unsigned char* block = ds_tile + (chunk >> 3) * (BN * 128);
-          stmatrix_x4(block + row * 128 + (((chunk & 7) ^ (row & 7)) << 4), f.dst[kk][0],
-                      f.dst[kk][1], f.dst[kk][2], f.dst[kk][3]);
-        }
-      }
-      // Without a bound, the padding keys of a partial last block are not masked: their dS^T rows
-      // are overwritten with zeros, so that no P overflowed to inf meets K's zero rows in dQ
-      // (inf x 0). Out of the main path: the other items' stores stay as they are.
-      if (!BOUNDED && n0 + BN > p.seq_k) {
-        __syncwarp();  // the warp's stmatrix before the zeros
-        const int pad0 = max(0, p.seq_k - n0 - key_row0);  // this warp's first padding row
-        constexpr int CHUNKS = BM / 8;                      // 16-byte chunks of a row
-#pragma unroll
-        for (int i = lane; i < 16 * CHUNKS; i += 32) {
-          const int r = i / CHUNKS, c = i % CHUNKS;  // a whole row: the swizzle does not matter
-          if (r >= pad0)
-            *reinterpret_cast<uint4*>(ds_tile + (c >> 3) * (BN * 128) + (key_row0 + r) * 128 +
-                                      (c & 7) * 16) = make_uint4(0, 0, 0, 0);
-        }
-      }
-      fence_proxy_async();
-      named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
-      keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
-      // dQ_part = dS K: A = dS^T, B = K, both read MN-major; k16 step k covers keys 16 k ..
-      // 16 k + 15. SPLIT_ROWS: queries 64 wg .. (column block wg of dS^T), all columns, all keys;
-      // SPLIT_KEYS: all columns, keys 64 wg ..; else head-dim columns 64 wg .. (column block wg of
-      // K), all keys.
-      float acc_dq[NT_DQ][4];
-      constexpr int K16_STEPS = SPLIT_KEYS ? 4 : BN / 16;
-      const int k16_first = SPLIT_KEYS ? 4 * wg : 0;
-      const unsigned char* ds_rows = ds_tile + (SPLIT_ROWS ? wg * (BN * 128) : 0);
-      const unsigned char* k_cols = sK + (SPLIT_ROWS || SPLIT_KEYS ? 0 : wg * (BN * 128));
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < K16_STEPS; ++kk) {
-        const int k16 = k16_first + kk;
-        wgmma_ss_tt<Elem, DQ_COLS>(acc_dq, smem_desc(ds_rows + k16 * 2048, BN * 128, 1024),
-                                   smem_desc(k_cols + k16 * 2048, BN * 128, 1024), kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(keys.acc_dv);
-      fence_accumulators(keys.acc_dk);
-      fence_accumulators(acc_dq);
-      keys.keep(f);
-      mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
-      // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
-      // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
-      // reads this order; SPLIT_ROWS: wg is the consumer's half of the rows, else its columns).
-      // SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
-      // own tile (the second read the last one before the barrier above), and the second stages
-      // the sum (the same fragment layout: thread tid's elements), so that each tile has one writer.
-      // Every thread arrives and waits on an mbarrier (rather than a named barrier's arrive, or one
-      // lane's arrive after __syncwarp): the pattern racecheck follows.
-      const float4* first = reinterpret_cast<const float4*>(sdQ_first);
-      if (SPLIT_KEYS && wg == 0) {
-#pragma unroll
-        for (int nt = 0; nt < NT_DQ; ++nt)
-          reinterpret_cast<float4*>(sdQ_first)[nt * 128 + tid] =
-              make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
-        mbar_arrive(&bar.dq_first);
+      unsigned char* ds_tile;  // this step's dS^T tile (two in turn)
+      if constexpr (SHARED_KEYS) {
+        // S^T in the first consumer, dP^T in the second, P^T and dS^T exchanged
+        // (Sm90DkdvKeysExchanged); the second stores all of dS^T (the tiles in turn, as below:
+        // it writes one after the exchange of the next step but one, which the first consumer
+        // reaches after its products of this one).
+        float x[Keys::NT_Q][4];
+        ds_tile = sdS + (pipe & 1) * DS_BYTES;
+        keys.tiles = pipe;
+        keys.issue_scores(x, q_tile, do_tile);
+        wgmma_wait<0>();
+        fence_accumulators(x);
+        // Without a bound, the padding keys of a partial last block: their dS^T rows zeroed (as
+        // below)
+        const int pad0 = !BOUNDED && n0 + BN > p.seq_k ? max(0, p.seq_k - n0 - key_row0) : 16;
+        if (steps.masked(at.tile))
+          keys.template exchange<true>(true, at.tile * BM, x, s_lse2 + stage * BM,
+                                       s_delta + stage * BM, Mask::of(p, work.seq.ext), f,
+                                       ds_tile, pad0);
+        else
+          keys.template exchange<true>(false, at.tile * BM, x, s_lse2 + stage * BM,
+                                       s_delta + stage * BM, Mask::of(p, work.seq.ext), f,
+                                       ds_tile, pad0);
       } else {
-        mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
-        if (SPLIT_KEYS) mbar_wait(&bar.dq_first, pipe & 1);
+        keys.issue_scores(q_tile, do_tile);
+        wgmma_wait<0>();
+        // two copies: the unmasked tiles' (nearly all) without the mask's code
+        if (steps.masked(at.tile))
+          keys.probabilities(true, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
+                             Mask::of(p, work.seq.ext));
+        else
+          keys.probabilities(false, at.tile * BM, s_lse2 + stage * BM, s_delta + stage * BM, f,
+                             Mask::of(p, work.seq.ext));
+        // dS^T of this warp's 16 keys into rows 64 wg + 16 w .. of one of two tiles, in turn: the
+        // last products that read this one (two tiles back) were waited for before the other
+        // consumer passed the barrier below on the previous tile.
+        ds_tile = sdS + (pipe & 1) * DS_BYTES;
+        {
+          // 16-byte chunk c of a row (queries 8 c ..) lies in column block c / 8 of BN rows
+          const int mi = lane >> 3, row = key_row0 + (mi & 1) * 8 + (lane & 7);
 #pragma unroll
-        for (int nt = 0; nt < NT_DQ; ++nt) {
-          float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
-          if (SPLIT_KEYS) {
-            const float4 a = first[nt * 128 + tid];
-            v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
+          for (int kk = 0; kk < BM / 16; ++kk) {
+            const int chunk = 2 * kk + (mi >> 1);
+            unsigned char* block = ds_tile + (chunk >> 3) * (BN * 128);
+            stmatrix_x4(block + row * 128 + (((chunk & 7) ^ (row & 7)) << 4), f.dst[kk][0],
+                        f.dst[kk][1], f.dst[kk][2], f.dst[kk][3]);
           }
-          reinterpret_cast<float4*>(sdQ)[((SPLIT_KEYS ? 0 : wg) * NT_DQ + nt) * 128 + tid] = v;
         }
+        // Without a bound, the padding keys of a partial last block are not masked: their dS^T
+        // rows are overwritten with zeros, so that no P overflowed to inf meets K's zero rows in
+        // dQ (inf x 0). Out of the main path: the other items' stores stay as they are.
+        if (!BOUNDED && n0 + BN > p.seq_k) {
+          __syncwarp();  // the warp's stmatrix before the zeros
+          const int pad0 = max(0, p.seq_k - n0 - key_row0);  // this warp's first padding row
+          constexpr int CHUNKS = BM / 8;                      // 16-byte chunks of a row
+#pragma unroll
+          for (int i = lane; i < 16 * CHUNKS; i += 32) {
+            const int r = i / CHUNKS, c = i % CHUNKS;  // a whole row: the swizzle does not matter
+            if (r >= pad0)
+              *reinterpret_cast<uint4*>(ds_tile + (c >> 3) * (BN * 128) + (key_row0 + r) * 128 +
+                                        (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        fence_proxy_async();
+        named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
+      }
+      keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
+      // dQ_part = dS K: A = dS^T, B = K, both read MN-major (issue_dq_part). SPLIT_ROWS: queries
+      // 64 wg .. (column block wg of dS^T), all columns, all keys; SPLIT_KEYS: all columns, keys
+      // 64 wg ..; else head-dim columns DQ_COLS wg .. (column blocks of K), all keys.
+      const unsigned char* ds_rows = ds_tile + (SPLIT_ROWS ? wg * (BN * 128) : 0);
+      if constexpr (DQ_IN_STAGE) {
+        // In two 64-column halves (column blocks 2 wg and 2 wg + 1 of K): the first issued with
+        // dV and dK, the second once those are complete, so that P^T's and dS^T's fragments are
+        // dead before its accumulator lives (a 128-column accumulator beside them made ptxas
+        // serialise every wgmma: C7512). Then consumer wg's half at nt * 128 + tid of the step's
+        // Q (wg 0) or dO (wg 1) buffer, once both consumers' products that read those (the other's
+        // dV and dK read its columns of them) are complete; the writer releases the stage.
+        constexpr int NT_HALF = NT_DQ / 2;
+        float acc_a[NT_HALF][4], acc_b[NT_HALF][4];
+        issue_dq_part<Elem, 64, BN, BN / 16>(acc_a, ds_rows, sK + (2 * wg) * (BN * 128), 0);
+        wgmma_wait<0>();
+        fence_accumulators(keys.acc_dv);
+        fence_accumulators(keys.acc_dk);
+        fence_accumulators(acc_a);
+        keys.keep(f);
+        issue_dq_part<Elem, 64, BN, BN / 16>(acc_b, ds_rows, sK + (2 * wg + 1) * (BN * 128), 0);
+        mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
+        named_barrier_sync(2, CONSUMER_THREADS);
+        float4* half = reinterpret_cast<float4*>(wg == 0 ? sQ + stage * ROWS_BYTES
+                                                         : sdO + stage * ROWS_BYTES);
+#pragma unroll
+        for (int nt = 0; nt < NT_HALF; ++nt)
+          half[nt * 128 + tid] = make_float4(acc_a[nt][0], acc_a[nt][1], acc_a[nt][2], acc_a[nt][3]);
+        wgmma_wait<0>();
+        fence_accumulators(acc_b);
+#pragma unroll
+        for (int nt = 0; nt < NT_HALF; ++nt)
+          half[(NT_HALF + nt) * 128 + tid] =
+              make_float4(acc_b[nt][0], acc_b[nt][1], acc_b[nt][2], acc_b[nt][3]);
         fence_proxy_async_shared();
         __syncwarp();
-        if (lane == 0) mbar_arrive(&bar.dq_full);
+        if (lane == 0) mbar_arrive(&bar.dq_full[stage]);
+      } else {
+        float acc_dq[NT_DQ][4];
+        issue_dq_part<Elem, DQ_COLS, BN, SPLIT_KEYS ? 4 : BN / 16>(
+            acc_dq, ds_rows, sK + (SPLIT_ROWS || SPLIT_KEYS ? 0 : wg * (BN * 128)),
+            SPLIT_KEYS ? 4 * wg : 0);
+        wgmma_wait<0>();
+        fence_accumulators(keys.acc_dv);
+        fence_accumulators(keys.acc_dk);
+        fence_accumulators(acc_dq);
+        keys.keep(f);
+        mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
+        // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
+        // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
+        // reads this order; SPLIT_ROWS: wg is the consumer's half of the rows, else its columns).
+        // SPLIT_KEYS: the first consumer stores its part at nt * 128 + tid of its
+        // own tile (the second read the last one before the barrier above), and the second stages
+        // the sum (the same fragment layout: thread tid's elements), so that each tile has one writer.
+        // Every thread arrives and waits on an mbarrier (rather than a named barrier's arrive, or one
+        // lane's arrive after __syncwarp): the pattern racecheck follows.
+        const float4* first = reinterpret_cast<const float4*>(sdQ_first);
+        if (SPLIT_KEYS && wg == 0) {
+#pragma unroll
+          for (int nt = 0; nt < NT_DQ; ++nt)
+            reinterpret_cast<float4*>(sdQ_first)[nt * 128 + tid] =
+                make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
+          mbar_arrive(&bar.dq_first);
+        } else {
+          mbar_wait(&bar.dq_empty, (pipe & 1) ^ 1);
+          if (SPLIT_KEYS) mbar_wait(&bar.dq_first, pipe & 1);
+#pragma unroll
+          for (int nt = 0; nt < NT_DQ; ++nt) {
+            float4 v = make_float4(acc_dq[nt][0], acc_dq[nt][1], acc_dq[nt][2], acc_dq[nt][3]);
+            if (SPLIT_KEYS) {
+              const float4 a = first[nt * 128 + tid];
+              v = make_float4(a.x + v.x, a.y + v.y, a.z + v.z, a.w + v.w);
+            }
+            reinterpret_cast<float4*>(sdQ)[((SPLIT_KEYS ? 0 : wg) * NT_DQ + nt) * 128 + tid] = v;
+          }
+          fence_proxy_async_shared();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&bar.dq_full[0]);
+        }
       }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&bar.kv_empty);
 
-    // Epilogue: dK = scale * acc_dk and dV, from registers; under a bound, rows that are
-    // non-finite now (a masked tile may have made them so: 0 x NaN) are flagged for the repair.
+    // Epilogue: dK = scale * acc_dk and dV (this warpgroup's columns), from registers; under a
+    // bound, rows that are non-finite now (a masked tile may have made them so: 0 x NaN) are
+    // flagged for the repair.
     const float scale = static_cast<float>(p.scale);
     const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
     const Seq<false> seq = Seq<false>::of(p, bc.batch);
-    unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, bc.head);
-    unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, bc.head);
+    const int col0 = keys.col0(), cols = d - col0;  // cols <= 0: nothing of d in this half
+    unsigned short* dk_head = seq.template k_head<unsigned short>(p.dk, bc.head) + col0;
+    unsigned short* dv_head = seq.template k_head<unsigned short>(p.dv, bc.head) + col0;
     const int key0 = n0 + key_row0;
     if constexpr (BOUNDED)
       if (__any_sync(0xffffffffu, nonfinite_rows(keys.acc_dk, keys.acc_dv) != 0) && lane == 0)
         bar.repair[warp - 4] = 1;
-    store_accumulator_rows<Elem, Keys::NT_D>(dk_head, p.dk.seq, key0, p.seq_k, d, keys.acc_dk, scale,
-                                             lane);
-    store_accumulator_rows<Elem, Keys::NT_D>(dv_head, p.dv.seq, key0, p.seq_k, d, keys.acc_dv, 1.f,
-                                             lane);
+    store_accumulator_rows<Elem, Keys::NT_D>(dk_head, p.dk.seq, key0, p.seq_k, cols, keys.acc_dk,
+                                             scale, lane);
+    store_accumulator_rows<Elem, Keys::NT_D>(dv_head, p.dv.seq, key0, p.seq_k, cols, keys.acc_dv,
+                                             1.f, lane);
   }
   __syncwarp();
-  if (BOUNDED && bar.repair[warp - 4]) {  // rare: a NaN or Inf
-    repair_fused_dkdv<Elem, HD, BN, Mask, Mod>(p, walk, key_row0, lane);
+  if (BOUNDED && bar.repair[warp - 4]) {  // rare: a NaN or Inf (this warp's keys and columns)
+    repair_fused_dkdv<Elem, HD, Keys::COLS, BN, Mask, Mod>(p, walk, key_row0, keys.col0(), lane);
   }
 }
 

@@ -207,6 +207,20 @@ struct PackedItem {
   int nq, nk, batch, head;
 };
 
+// The consumers' steps: Sm90DkdvKeys (64 keys a warpgroup, every column), or at HD > 128 (two
+// warpgroups sharing 64 keys) Sm90DkdvKeysExchanged.
+// SHARED_BYTES: their shared memory (the exchange area and dS^T's tile).
+template <bool SHARED, typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
+struct TmaDkdvKeys {
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod> Type;
+  static constexpr int SHARED_BYTES = 0;
+};
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
+struct TmaDkdvKeys<true, Elem, HD, BM, BN, Mask, Mod> {
+  typedef Sm90DkdvKeysExchanged<Elem, HD, BM, BN, Mask, Mod> Type;
+  static constexpr int SHARED_BYTES = Type::EXCHANGE_BYTES + Type::DS_TILE_BYTES;
+};
+
 template <int ITEM_BUFS, int STAGES>
 struct TmaDkdvBarriers {
   unsigned long long kv_full[ITEM_BUFS], kv_empty[ITEM_BUFS];  // K and V of a work item
@@ -231,7 +245,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   constexpr int CONSUMERS = SPLIT ? 2 : BN / 64, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, SPLIT ? HD / 2 : HD> Keys;
+  typedef TmaDkdvKeys<SPLIT, Elem, HD, BM, BN, Mask, Mod> KeysOf;
+  typedef typename KeysOf::Type Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
   static_assert(!SPLIT || BN == 64, "the split head dim serves 64 keys");
@@ -241,7 +256,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   unsigned char* sV = sK + BUFS * KEYS_BYTES;       // BUFS tiles
   unsigned char* sQ = sV + BUFS * KEYS_BYTES;       // STAGES tiles
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;    // STAGES tiles
-  float* s_lse2 = reinterpret_cast<float*>(sdO + STAGES * ROWS_BYTES);  // STAGES x BM
+  unsigned char* sX = sdO + STAGES * ROWS_BYTES;    // SPLIT: the consumers' exchange area
+  float* s_lse2 = reinterpret_cast<float*>(sX + KeysOf::SHARED_BYTES);  // STAGES x BM
   float* s_delta = s_lse2 + STAGES * BM;                                // STAGES x BM
   TmaDkdvBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDkdvBarriers<BUFS, STAGES>*>(s_delta + STAGES * BM);
@@ -252,6 +268,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     mbar_init_pairs(bar.kv_full, bar.kv_empty, 1, 4 * CONSUMERS);
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
     mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, 128 * CONSUMERS);
+    if constexpr (SPLIT) Keys::init(sX);
     fence_barrier_init();
   }
   __syncthreads();
@@ -306,6 +323,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   keys.wg = (warp - 4) >> 2;
   keys.lane = lane;
   keys.scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
+  if constexpr (SPLIT) keys.sX = sX;
   int pipe = 0, round = 0;
   for (int step = 0; !walk.done(step); ++step) {
     const i64 item = walk.item(step);
@@ -346,6 +364,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         keys.mod = Mod::of(p, bc.batch, bc.head * p.group + at.head, static_cast<float>(p.scale),
                            extents());
       }
+      if constexpr (SPLIT) keys.tiles = pipe;  // a counter kept by the struct spilled
       keys.step(s < masked_steps, at.tile * BM,
                 sQ + stage * ROWS_BYTES, sdO + stage * ROWS_BYTES, s_lse2 + stage * BM,
                 s_delta + stage * BM, Mask::of(p, extents()));

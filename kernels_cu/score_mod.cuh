@@ -42,6 +42,7 @@ struct ScoreMod {
   static constexpr bool ANY = SOFTCAP || ALIBI;
   static constexpr bool CAP_ONLY = SOFTCAP && !ALIBI;  // the final score rises with the raw one
   static constexpr bool HAS_ALIBI = ALIBI;
+  static constexpr bool HAS_SOFTCAP = SOFTCAP;
   T cap_in, cap_out;  // softcap: u / c and c / u
   T slope;            // ALiBi: this (batch, head)'s slope / u
   int diag_offset;    // nk - nq: query i sits at key position i + nk - nq

@@ -317,13 +317,20 @@ def test_the_fused_backward_at_d_64_leaves_causal_calls_with_more_keys_to_the_sp
         assert chosen.dkdv.aligned.spec.path == "fused", change
     # d = 128: causal calls too
     assert _dispatch.fused_backward_chosen(replace(causal, head_dim=128))
+    # d = 256: without a right bound only (_dispatch.fused_backward_chosen); an explicit choice
+    # gets the fused kernels under one too
+    wide = replace(causal, head_dim=256, seq_k=1000)
+    assert _dispatch.fused_backward_fits(wide) and not _dispatch.fused_backward_chosen(wide)
+    assert _dispatch.fused_backward_chosen(wide, fused)
+    assert _dispatch.fused_backward_chosen(replace(wide, window=(None, None)))
 
 
 @pytest.mark.parametrize(
     "change",
     [
         dict(window=(100, None)),  # a left bound alone
-        dict(head_dim=256),
+        dict(head_dim=256, softcap=30.0),  # d = 256's fused kernel lacks the softcap
+        dict(head_dim=256, window=(300, 0), alibi=True),  # and a window with ALiBi
         dict(dtype="float32"),
         dict(seq_q=64, seq_k=1024),  # 8 key blocks, 1 query step a head, no bound
         dict(packed=True, total_q=1000, total_k=1024),
@@ -442,14 +449,22 @@ def kernels_rising(mask, group: int) -> bool:
 
 
 def arrival_turn(
-    item: int, n: int, grid: int, paired: bool, mask, group: int, bm: int, head: int, tile: int
+    item: int,
+    n: int,
+    grid: int,
+    paired: bool,
+    mask,
+    group: int,
+    bm: int,
+    head: int,
+    tile: int,
+    bn: int = 128,
 ) -> int:
     """The mirror of FusedArrivalOrder::turn (kernels_cu/backward_sm90_fused.cu): the additions to
     query tile `tile` of head `head` (of the group) before `item`'s. Those of earlier rounds, then
     this round's in the order of their expected visits (start + step, ties by position), the
     second step's items starting after their SM's first item (+ 1) and visiting their lists from
     the end."""
-    bn = FUSED_BN
     base, lo, hi = round_positions(item, n, grid, paired)
     pos, first_parity = item - base, base & 1
 
@@ -475,18 +490,20 @@ def arrival_turn(
     )
 
 
-def kernels_arrival(mask, bm: int) -> bool:
-    """attention_backward_fused_tma's ARRIVAL for a mask without score modifiers: 128-row query
-    tiles (d = 64), no left bound."""
-    return bm == 128 and not mask.local
+def kernels_arrival(mask, bm: int, bn: int = 128) -> bool:
+    """attention_backward_fused_tma's ARRIVAL for a mask without score modifiers: query tiles as
+    tall as the key blocks are wide (d = 64's 128-row tiles, d = 256's 64-row ones), no left
+    bound."""
+    return bm == bn and not mask.local
 
 
-# The fused kernel's query tile rows (_kernels.FUSED_ROWS) and key block.
-FUSED_BMS = sorted({bm for rows in _kernels.FUSED_ROWS.values() for bm in rows})
-FUSED_BN = _kernels.FUSED_BN
+# The fused kernel's (query tile rows, key block) pairs (_kernels.FUSED_ROWS, FUSED_BN).
+FUSED_SHAPES = sorted(
+    {(bm, _kernels.FUSED_BN[hd]) for hd, rows in _kernels.FUSED_ROWS.items() for bm in rows}
+)
 
 
-def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival=None):
+def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival=None, bn=128):
     """The fused kernel's bounded walk (common.cuh, WorkWalk, paired) with query tiles of `bm`
     rows, each block's items in walk order, an item being the (query tile, turn) of each of its
     steps: the lists (ascending query tiles of the block's rows, head by head; with the arrival
@@ -495,14 +512,13 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival
     order does)."""
     from cuflash._mask import Mask
 
-    bn = FUSED_BN
     mask = Mask.of(nq, nk, bounds)
     n = -(-nk // bn)
     num_work = heads * n
     if rising is None:
         rising = kernels_rising(mask, group)
     if arrival is None:
-        arrival = kernels_arrival(mask, bm)
+        arrival = kernels_arrival(mask, bm, bn)
 
     def steps_of(item):
         block = paired_block(item % n, n)
@@ -514,7 +530,7 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival
                 assert keys.begin <= block < keys.end
                 tile = ((item // n) * group + h, q)
                 if arrival:
-                    turn = arrival_turn(item, n, grid, True, mask, group, bm, h, q)
+                    turn = arrival_turn(item, n, grid, True, mask, group, bm, h, q, bn)
                 else:
                     turn = bounded_turn(
                         item, n, grid, True, rising, block, keys.begin, keys.end - 1
@@ -550,15 +566,14 @@ def bounded_walk(nq, nk, bounds, group, heads, grid, rising=None, bm=64, arrival
         (1500, 1500, 0, 8, 3, 11),  # grouped heads, odd key blocks a head (rounds split heads)
     ],
 )
-@pytest.mark.parametrize("bm", FUSED_BMS)
+@pytest.mark.parametrize("bm,bn", FUSED_SHAPES)
 def test_the_fused_backwards_bounded_turns_end_and_order_every_tile(
-    nq, nk, right, group, heads, grid, bm
+    nq, nk, right, group, heads, grid, bm, bn
 ):
     # The kernel's walk run step by step: every turn of a tile comes once, every wait ends, and
     # the tiles that get sums are those the dQ pass reads (key_tiles(...).count > 0).
-    bn = FUSED_BN
     bounds = right if isinstance(right, tuple) else (None, right)
-    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm)
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm, bn=bn)
     queues = [[step for item in walk for step in item] for walk in walks]
     tiles_q = -(-nq // bm)
     turns = {}
@@ -636,16 +651,19 @@ def walk_time(walks, turns: bool = True, add: float = 0.15, epilogue: float = 1.
         (2048, 2048, (None, 0), 1, 8, 64, None),  # one head a group: either order
     ],
 )
-@pytest.mark.parametrize("bm", FUSED_BMS)
-def test_the_bounded_turns_follow_the_items_arrival(nq, nk, bounds, group, heads, grid, other, bm):
+@pytest.mark.parametrize("bm,bn", FUSED_SHAPES)
+def test_the_bounded_turns_follow_the_items_arrival(
+    nq, nk, bounds, group, heads, grid, other, bm, bn
+):
     # With the turns as the kernel takes them the walk ends within 2% of the same walk without
-    # turns (nobody waits long), with query tiles of either height; with grouped heads, the other
-    # order at the second step makes items wait: `other` x the walk without turns, at least (the
-    # factors of 64-row tiles; 128-row ones: within 0.05 of them).
-    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm)
+    # turns (nobody waits long), with query tiles of either height and key blocks of either width;
+    # with grouped heads, the other order at the second step makes items wait: `other` x the walk
+    # without turns, at least (the factors of 64-row tiles and 128-key blocks; 128-row ones:
+    # within 0.05 of them).
+    mask, walks = bounded_walk(nq, nk, bounds, group, heads, grid, bm=bm, bn=bn)
     free = walk_time(walks, turns=False)
     assert walk_time(walks) <= 1.02 * free
-    if bm != 64:
+    if (bm, bn) != (64, 128):
         return
     rising = kernels_rising(mask, group)
     _, flipped = bounded_walk(nq, nk, bounds, group, heads, grid, rising=not rising)

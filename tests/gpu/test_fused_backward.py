@@ -54,8 +54,10 @@ def fused_cases(draw):
         seq_q=seq_q,
         seq_k=seq_k,
         # the buckets of 64 (128-row query tiles; 64-row ones, where the consumers split dQ's keys,
-        # for the softcap with ALiBi under a bound: _kernels.FUSED_SHORT_FOR) and 128
-        head_dim=draw(st.sampled_from([128, 120, 104, 112, 64, 40, 56])),
+        # for the softcap with ALiBi under a bound: _kernels.FUSED_SHORT_FOR), 128 and 256 (two
+        # consumers sharing 64 keys; a window with the softcap and ALiBi keeps the split kernels:
+        # _kernels.FUSED_WITHOUT)
+        head_dim=draw(st.sampled_from([128, 120, 104, 112, 64, 40, 56, 256, 232])),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         layout=layout,
         causal=causal,
@@ -92,9 +94,11 @@ def test_fused_backward_against_the_reference(case):
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_turns_across_waves(shape, causal, head_dim):
     batch, heads_kv, group, seq_q, seq_k = shape
+    if head_dim == 256 and seq_k > 10000:  # 156 of d = 256's 64-key blocks, as 19968 hold of 128
+        seq_k //= 2
     shape = (batch, heads_kv, group, seq_q, seq_k, head_dim)
     case = Case(*shape, "bfloat16", "bshd", causal, None, "contiguous", 11)
     plans = check_case(case, "fused waves", FUSED)
@@ -102,7 +106,7 @@ def test_turns_across_waves(shape, causal, head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
     import cuflash
 
@@ -120,7 +124,11 @@ def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
     split = testing.attention_backward_with(SPLIT, do, q, k, v, o, lse, causal=causal)
     assert backward_paths((None, fused[3])) == ("fused", "fused")
     assert backward_paths((None, split[3])) == ("tma", "tma")
-    assert all(torch.equal(a, b) for a, b in zip(first, fused[:3], strict=True))
+    # the library's choice: fused, but at d = 256 under a causal mask the split kernels
+    # (_dispatch.fused_backward_chosen)
+    default = split if head_dim == 256 and causal else fused
+    assert _dispatch.fused_backward_chosen(fused[3].p) == (default is fused)
+    assert all(torch.equal(a, b) for a, b in zip(first, default[:3], strict=True))
     # the two agree to the dtype's rounding (they add in other orders)
     for a, b in zip(fused[:3], split[:3], strict=True):
         scale = b.float().abs().max().item()
@@ -166,6 +174,9 @@ def test_other_calls_keep_the_split_backward(causal, window, seq_k):
         ("do", float("nan"), 128),
         ("q", float("nan"), 64),
         ("k", float("inf"), 64),
+        ("k", float("nan"), 256),  # two consumers share the keys, each repairs its columns
+        ("v", float("inf"), 256),
+        ("do", float("nan"), 256),
     ],
 )
 def test_a_nonfinite_input_reaches_what_depends_on_it(where, value, head_dim, causal):
