@@ -397,20 +397,6 @@ struct FusedTurnSlots {
   int turns[FUSED_TURN_SLOTS];
 };
 
-// The consumers' steps: Sm90DkdvKeys (64 keys a consumer, every column), or, with two consumers
-// sharing 64 keys (HD = 256), Sm90DkdvKeysExchanged; BYTES: its exchange area.
-template <bool SHARED, typename Elem, int HD, int BM, int BN, typename Mask, typename Mod,
-          bool ROWS_AFTER_WAIT>
-struct FusedKeys {
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> Type;
-  static constexpr int BYTES = 0;
-};
-template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, bool ROWS_AFTER_WAIT>
-struct FusedKeys<true, Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> {
-  typedef Sm90DkdvKeysExchanged<Elem, HD, BM, BN, Mask, Mod> Type;
-  static constexpr int BYTES = Type::EXCHANGE_BYTES;
-};
-
 // DQ_FULLS: the barriers that say a staged dQ tile is in: one (the staging tile), or one per stage
 // (d = 256: dQ staged in the stage's Q and dO buffers).
 template <int STAGES, int DQ_FULLS = 1>
@@ -484,10 +470,11 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
                 "registers");
   // 128-row tiles with ALiBi: the rows' terms after the scores' wait (Sm90DkdvKeys::probabilities;
   // the other instances were measured without it)
-  typedef typename FusedKeys<SHARED_KEYS, Elem, HD, BM, BN, Mask, Mod,
-                             SPLIT_ROWS && Mod::HAS_ALIBI>::Type Keys;
+  // (SHARED_KEYS: Sm90DkdvKeysExchanged, its dS^T tiles the kernel's own)
+  typedef DkdvKeysOf<SHARED_KEYS, Elem, HD, BM, BN, Mask, Mod, SPLIT_ROWS && Mod::HAS_ALIBI> KeysOf;
+  typedef typename KeysOf::Type Keys;
   static_assert(!SHARED_KEYS || !Mod::HAS_SOFTCAP, "no room for P^T's exchange tile");
-  constexpr int EXCHANGE_BYTES = FusedKeys<SHARED_KEYS, Elem, HD, BM, BN, Mask, Mod, false>::BYTES;
+  constexpr int EXCHANGE_BYTES = KeysOf::EXCHANGE_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* sK = smem;                       // one tile

@@ -207,20 +207,6 @@ struct PackedItem {
   int nq, nk, batch, head;
 };
 
-// The consumers' steps: Sm90DkdvKeys (64 keys a warpgroup, every column), or at HD > 128 (two
-// warpgroups sharing 64 keys) Sm90DkdvKeysExchanged.
-// SHARED_BYTES: their shared memory (the exchange area and dS^T's tile).
-template <bool SHARED, typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
-struct TmaDkdvKeys {
-  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod> Type;
-  static constexpr int SHARED_BYTES = 0;
-};
-template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
-struct TmaDkdvKeys<true, Elem, HD, BM, BN, Mask, Mod> {
-  typedef Sm90DkdvKeysExchanged<Elem, HD, BM, BN, Mask, Mod> Type;
-  static constexpr int SHARED_BYTES = Type::EXCHANGE_BYTES + Type::DS_TILE_BYTES;
-};
-
 template <int ITEM_BUFS, int STAGES>
 struct TmaDkdvBarriers {
   unsigned long long kv_full[ITEM_BUFS], kv_empty[ITEM_BUFS];  // K and V of a work item
@@ -245,7 +231,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   constexpr int CONSUMERS = SPLIT ? 2 : BN / 64, BUFS = ItemBuffers<HD>::COUNT;
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   typedef WarpSpecialisedRegisters<CONSUMERS> Regs;
-  typedef TmaDkdvKeys<SPLIT, Elem, HD, BM, BN, Mask, Mod> KeysOf;
+  typedef DkdvKeysOf<SPLIT, Elem, HD, BM, BN, Mask, Mod> KeysOf;
   typedef typename KeysOf::Type Keys;
   constexpr int NT_D = Keys::NT_D;
   static_assert(HD % 64 == 0 && BN % 64 == 0 && BM % TMA_BOX_ROWS == 0, "tile shapes");
@@ -256,8 +242,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   unsigned char* sV = sK + BUFS * KEYS_BYTES;       // BUFS tiles
   unsigned char* sQ = sV + BUFS * KEYS_BYTES;       // STAGES tiles
   unsigned char* sdO = sQ + STAGES * ROWS_BYTES;    // STAGES tiles
-  unsigned char* sX = sdO + STAGES * ROWS_BYTES;    // SPLIT: the consumers' exchange area
-  float* s_lse2 = reinterpret_cast<float*>(sX + KeysOf::SHARED_BYTES);  // STAGES x BM
+  // SPLIT: the consumers' exchange area, then dS^T's tile
+  unsigned char* sX = sdO + STAGES * ROWS_BYTES;
+  float* s_lse2 = reinterpret_cast<float*>(sX + KeysOf::EXCHANGE_BYTES + KeysOf::DS_TILE_BYTES);
   float* s_delta = s_lse2 + STAGES * BM;                                // STAGES x BM
   TmaDkdvBarriers<BUFS, STAGES>& bar =
       *reinterpret_cast<TmaDkdvBarriers<BUFS, STAGES>*>(s_delta + STAGES * BM);

@@ -241,4 +241,20 @@ struct Sm90DkdvKeysExchanged {
   }
 };
 
+// The consumers' steps of the dK/dV kernels (split and fused): Sm90DkdvKeys (64 keys a warpgroup,
+// every column), or where two warpgroups share 64 keys (HD = 256) Sm90DkdvKeysExchanged.
+// EXCHANGE_BYTES: their shared memory beside the kernel's tiles; DS_TILE_BYTES: dS^T's tile, for a
+// kernel that has none of its own.
+template <bool SHARED, typename Elem, int HD, int BM, int BN, typename Mask, typename Mod,
+          bool ROWS_AFTER_WAIT = false>
+struct DkdvKeysOf {
+  typedef Sm90DkdvKeys<Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> Type;
+  static constexpr int EXCHANGE_BYTES = 0, DS_TILE_BYTES = 0;
+};
+template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod, bool ROWS_AFTER_WAIT>
+struct DkdvKeysOf<true, Elem, HD, BM, BN, Mask, Mod, ROWS_AFTER_WAIT> {
+  typedef Sm90DkdvKeysExchanged<Elem, HD, BM, BN, Mask, Mod> Type;
+  static constexpr int EXCHANGE_BYTES = Type::EXCHANGE_BYTES, DS_TILE_BYTES = Type::DS_TILE_BYTES;
+};
+
 }  // namespace cuflash
