@@ -731,7 +731,6 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         fence_proxy_async();
         named_barrier_sync(1, CONSUMER_THREADS);  // both consumers' keys are in
       }
-      keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
       // dQ_part = dS K: A = dS^T, B = K, both read MN-major (issue_dq_part). SPLIT_ROWS: queries
       // 64 wg .. (column block wg of dS^T), all columns, all keys; SPLIT_KEYS: all columns, keys
       // 64 wg ..; else head-dim columns DQ_COLS wg .. (column blocks of K), all keys.
@@ -745,6 +744,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         // dV and dK read its columns of them) are complete; the writer releases the stage.
         constexpr int NT_HALF = NT_DQ / 2;
         float acc_a[NT_HALF][4], acc_b[NT_HALF][4];
+        keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
         issue_dq_part<Elem, 64, BN, BN / 16>(acc_a, ds_rows, sK + (2 * wg) * (BN * 128), 0);
         wgmma_wait<0>();
         fence_accumulators(keys.acc_dv);
@@ -769,16 +769,14 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(&bar.dq_full[stage]);
       } else {
+        // dQ_part first, then dV and dK: the staging below runs under those two products.
         float acc_dq[NT_DQ][4];
         issue_dq_part<Elem, DQ_COLS, BN, SPLIT_KEYS ? 4 : BN / 16>(
             acc_dq, ds_rows, sK + (SPLIT_ROWS || SPLIT_KEYS ? 0 : wg * (BN * 128)),
             SPLIT_KEYS ? 4 * wg : 0);
-        wgmma_wait<0>();
-        fence_accumulators(keys.acc_dv);
-        fence_accumulators(keys.acc_dk);
+        keys.issue_grads(f, q_tile, do_tile);  // dV += P^T dO_i, dK += dS^T Q_i
+        wgmma_wait<1>();                       // dQ_part's group
         fence_accumulators(acc_dq);
-        keys.keep(f);
-        mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
         // The staging tile, once the writer has read the previous one: float4 (wg, nt) of thread
         // tid at index (wg * NT_DQ + nt) * 128 + tid (conflict-free; attention_backward_dq_from_accum
         // reads this order; SPLIT_ROWS: wg is the consumer's half of the rows, else its columns).
@@ -810,6 +808,11 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           __syncwarp();
           if (lane == 0) mbar_arrive(&bar.dq_full[0]);
         }
+        wgmma_wait<0>();
+        fence_accumulators(keys.acc_dv);
+        fence_accumulators(keys.acc_dk);
+        keys.keep(f);
+        mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       }
     }
     __syncwarp();
