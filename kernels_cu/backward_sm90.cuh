@@ -51,6 +51,49 @@ __device__ __forceinline__ void keep_fragments(unsigned (&p)[K][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
 }
 
+// A dK/dV consumer's operands of a query tile of BM rows as A fragments: P^T (dV += P^T dO_i) and
+// dS^T (dK += dS^T Q_i).
+template <int BM>
+struct DkdvFrags {
+  unsigned pt[BM / 16][4], dst[BM / 16][4];
+  // Keeps them alive to here: after the wait for the products that read them.
+  __device__ __forceinline__ void keep() {
+    keep_fragments(pt);
+    keep_fragments(dst);
+  }
+};
+
+// dV += P^T dO_i, dK += dS^T Q_i over COLS columns (from the tiles' column block given), one group
+// and no wait: f stays unmodified until the group is complete.
+template <typename Elem, int COLS, int BM>
+__device__ __forceinline__ void issue_dkdv(float (&acc_dv)[COLS / 8][4], float (&acc_dk)[COLS / 8][4],
+                                           DkdvFrags<BM>& f, const unsigned char* q_cols,
+                                           const unsigned char* do_cols) {
+  wgmma_fence();
+  wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_cols);
+  wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_cols);
+  wgmma_commit();
+}
+
+// dK and dV zeroed, at the start of a block's keys.
+template <int NT_D>
+__device__ __forceinline__ void clear_dkdv(float (&acc_dk)[NT_D][4], float (&acc_dv)[NT_D][4]) {
+#pragma unroll
+  for (int i = 0; i < NT_D; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+}
+
+// Every group complete: dV and dK settled, their operands kept alive to here.
+template <int NT_D, int BM>
+__device__ __forceinline__ void dkdv_complete(float (&acc_dv)[NT_D][4], float (&acc_dk)[NT_D][4],
+                                              DkdvFrags<BM>& f) {
+  wgmma_wait<0>();
+  fence_accumulators(acc_dv);
+  fence_accumulators(acc_dk);
+  f.keep();
+}
+
 // lse in log2 units for P = exp2(s scale_log2 - lse2): +inf (P = 0) for a row that sees no key
 // (lse = -inf) and for padding rows (pass `real` false).
 __device__ __forceinline__ float lse2_of_row(float lse, bool real) {
@@ -159,18 +202,11 @@ struct Sm90DkdvKeys {
   // This warp's first key within the block (warp_index: among the consumer warps).
   static __device__ __forceinline__ int key_row0(int warp_index) { return warp_index * 16; }
 
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < NT_D; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
-  }
+  __device__ __forceinline__ void clear() { clear_dkdv(acc_dk, acc_dv); }
 
   // The three phases of a query tile, as in Sm90DqRows: issue_scores (S^T, dP^T), probabilities
   // (P^T, dS^T as A fragments), issue_grads (dV += P^T dO_i, dK += dS^T Q_i).
-  struct Frags {
-    unsigned pt[BM / 16][4], dst[BM / 16][4];
-  };
+  typedef DkdvFrags<BM> Frags;
   float st[NT_Q][4], dpt[NT_Q][4];
 
   __device__ __forceinline__ void issue_scores(const unsigned char* q_tile,
@@ -224,15 +260,7 @@ struct Sm90DkdvKeys {
   // f must stay unmodified until this group is complete.
   __device__ __forceinline__ void issue_grads(Frags& f, const unsigned char* q_tile,
                                               const unsigned char* do_tile) {
-    wgmma_fence();
-    wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_tile);  // dV += P^T dO_i
-    wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_tile);  // dK += dS^T Q_i
-    wgmma_commit();
-  }
-
-  __device__ __forceinline__ void keep(Frags& f) {
-    keep_fragments(f.pt);
-    keep_fragments(f.dst);
+    issue_dkdv<Elem, COLS, BM>(acc_dv, acc_dk, f, q_tile, do_tile);
   }
 
   // One query tile, every group waited for.
@@ -244,10 +272,7 @@ struct Sm90DkdvKeys {
     wgmma_wait<0>();
     probabilities(masked, m0, lse2, dlt, f, mask);
     issue_grads(f, q_tile, do_tile);
-    wgmma_wait<0>();
-    fence_accumulators(acc_dv);
-    fence_accumulators(acc_dk);
-    keep(f);
+    dkdv_complete(acc_dv, acc_dk, f);
   }
 };
 

@@ -750,7 +750,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         fence_accumulators(keys.acc_dv);
         fence_accumulators(keys.acc_dk);
         fence_accumulators(acc_a);
-        keys.keep(f);
+        f.keep();
         issue_dq_part<Elem, 64, BN, BN / 16>(acc_b, ds_rows, sK + (2 * wg + 1) * (BN * 128), 0);
         mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
         named_barrier_sync(2, CONSUMER_THREADS);
@@ -808,10 +808,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           __syncwarp();
           if (lane == 0) mbar_arrive(&bar.dq_full[0]);
         }
-        wgmma_wait<0>();
-        fence_accumulators(keys.acc_dv);
-        fence_accumulators(keys.acc_dk);
-        keys.keep(f);
+        dkdv_complete(keys.acc_dv, keys.acc_dk, f);
         mbar_arrive(&bar.q_empty[stage]);  // every thread: its loads of lse2 and D are done
       }
     }

@@ -97,16 +97,9 @@ struct Sm90DkdvKeysExchanged {
     mbar_init(barriers(exchange) + 1, 128);
   }
 
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < NT_D; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
-  }
+  __device__ __forceinline__ void clear() { clear_dkdv(acc_dk, acc_dv); }
 
-  struct Frags {
-    unsigned pt[BM / 16][4], dst[BM / 16][4];
-  };
+  typedef DkdvFrags<BM> Frags;
 
   // The address this lane gives stmatrix and ldmatrix for k16 step kk of a swizzled tile of BN
   // key rows (lane l: row l % 8 of 8 x 8 matrix l / 8; the matrices (keys +0, +8) x (queries
@@ -211,15 +204,7 @@ struct Sm90DkdvKeysExchanged {
   __device__ __forceinline__ void issue_grads(Frags& f, const unsigned char* q_tile,
                                               const unsigned char* do_tile) {
     const int cols = (col0() / 64) * (BM * 128);
-    wgmma_fence();
-    wgmma_pb<Elem, COLS, BM>(acc_dv, f.pt, do_tile + cols);
-    wgmma_pb<Elem, COLS, BM>(acc_dk, f.dst, q_tile + cols);
-    wgmma_commit();
-  }
-
-  __device__ __forceinline__ void keep(Frags& f) {
-    keep_fragments(f.pt);
-    keep_fragments(f.dst);
+    issue_dkdv<Elem, COLS, BM>(acc_dv, acc_dk, f, q_tile + cols, do_tile + cols);
   }
 
   // One query tile, every group waited for (the split kernel: dS^T's tile after the exchange
@@ -234,10 +219,7 @@ struct Sm90DkdvKeysExchanged {
     fence_accumulators(x);
     exchange<false>(masked, m0, x, lse2, dlt, mask, f, sX + EXCHANGE_BYTES, 16);
     issue_grads(f, q_tile, do_tile);
-    wgmma_wait<0>();
-    fence_accumulators(acc_dv);
-    fence_accumulators(acc_dk);
-    keep(f);
+    dkdv_complete(acc_dv, acc_dk, f);
   }
 };
 
