@@ -73,7 +73,8 @@ def main() -> int:
     fused_tiles = {}
     for text in args.tiles:
         bm, stages = (int(x) for x in text.split(","))
-        fused_tiles[f"{bm}/s{stages}"] = (bm, _kernels.FUSED_BN, stages)
+        bn = _kernels.FUSED_BN[_kernels.head_dim_bucket(d)]
+        fused_tiles[f"{bm}/s{stages}"] = (bm, bn, stages)
     extra = "".join(f" {name:>7}" for name in fused_tiles)
     lines = [
         f"device: {torch.cuda.get_device_name()}; bf16, d = {d}, median of {args.rounds} rounds",
