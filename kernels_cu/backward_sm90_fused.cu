@@ -16,8 +16,10 @@
 //     tile;
 //   - warp 1 of the producer warpgroup (the writer) adds the staging tile to the query tile's
 //     float32 sums in global memory with one TMA bulk reduction (a bulk copy for the first one),
-//     in its turn: the tile's counter says how many items have added theirs. It waits for the
-//     turn before the staged tile, and hands the tile back once the reduction has read it.
+//     in its turn: the tile's counter says how many items have added theirs. The writer waits for
+//     the turn before the staged tile (without a bound at 64-row tiles, warp 2 waits for it a
+//     few tiles ahead: POLL_AHEAD), hands the staging tile back once the reduction has read it,
+//     and releases the counter once the reduction is written.
 // The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
 // by the shapes alone, and an item waits only for additions that come before its own.
 //   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
@@ -210,8 +212,9 @@ struct FusedArrivalOrder : FusedBoundedOrder {  // its round's positions, pariti
 
 // An item's query steps (query head of the group, query tile of BM rows) and the tiles' turns, for
 // key blocks of BN keys. LOCAL: the mask has a left bound too (a window). ARRIVAL: the turns of
-// FusedArrivalOrder, counted by warp 2 (its loop over the round's items spilled in the writer's
-// 40 registers) and handed to the writer through FusedTurnSlots.
+// FusedArrivalOrder, counted by the whole of warp 2 (its loop over the round's items spilled in
+// the writer's 40 registers) and handed to the writer through FusedTurnSlots (as the rotated
+// order's with POLL_AHEAD, once seen on the counter).
 template <bool BOUNDED, bool LOCAL, int BM, int BN, bool ARRIVAL>
 struct FusedSteps;
 
@@ -308,6 +311,12 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// The counters' and sums' index of query tile 0 of the first query head of item bc's group: query
+// tile t of head h of the group is tile fused_first_tile + h T + t (T: query tiles).
+__device__ __forceinline__ i64 fused_first_tile(const Params& p, const BlockCoords& bc,
+                                                int tiles_q) {
+  return (static_cast<i64>(bc.batch) * p.heads_q + bc.head * p.group) * tiles_q;
+}
 // Orders this thread's global accesses through the async proxy (TMA) against its ordinary ones.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -389,8 +398,9 @@ __device__ __forceinline__ void issue_dq_part(float (&acc)[N / 8][4], const unsi
   wgmma_commit();
 }
 
-// The arrival order's turns, from warp 2 to the writer, a few steps ahead; in shared memory after
-// FusedBarriers (cuflash/_kernels.py counts them for every fused instance).
+// The turns, from warp 2 to the writer, a few steps ahead (ARRIVAL; POLL_AHEAD: each already seen
+// on its counter); in shared memory after FusedBarriers (cuflash/_kernels.py counts them for every
+// fused instance).
 constexpr int FUSED_TURN_SLOTS = 4;
 struct FusedTurnSlots {
   unsigned long long full[FUSED_TURN_SLOTS], empty[FUSED_TURN_SLOTS];
@@ -422,6 +432,15 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // the key blocks are wide (d = 64's 128 rows; d = 256's 64, where the timing model of
   // tests/test_dispatch.py gives it 1.00x the walk without turns, the other order 1.02-1.03x)
   constexpr bool ARRIVAL = BOUNDED && BM == BN && !F::LOCAL && !Mod::ANY;
+  // POLL_AHEAD: warp 2 waits for each tile's turn on its counter a few tiles ahead of the writer
+  // (rotated order, 64-row tiles: d = 128 and 256). There the writer's chain of a tile (the
+  // counter's ~0.5 us round trip, the bulk reduction's read, the release) as a single thread was
+  // about as long as a step (~2.3 us at 1.8 GHz) and set the pace at full clocks; the turns are
+  // seldom waited for, so the poll comes off that chain (+8-15% at d = 128). Under a bound the
+  // turns are waited for, and the writer's own poll hands the turn over ~0.25 us sooner than
+  // warp 2's through the slots (d = 128 causal 0.98x, d = 64 0.95x with it); 128-row steps leave
+  // the writer slack (docs/perf/NOTES.md v42).
+  constexpr bool POLL_AHEAD = !BOUNDED && BM == 64;
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
@@ -490,7 +509,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   typedef FusedBarriers<STAGES, DQ_FULLS> Barriers;
   Barriers& bar = *reinterpret_cast<Barriers*>(s_delta + STAGES * BM);
-  FusedTurnSlots& slots = *reinterpret_cast<FusedTurnSlots*>(&bar + 1);  // ARRIVAL
+  FusedTurnSlots& slots = *reinterpret_cast<FusedTurnSlots*>(&bar + 1);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // the host pairs heavy items with light ones under a right bound (p.paired)
   const WorkWalk<false> walk{p.num_work, BOUNDED && p.paired != 0};
@@ -508,7 +527,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
     if constexpr (SHARED_KEYS) Keys::init(sX);
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
-    if (ARRIVAL) mbar_init_pairs(slots.full, slots.empty, 1, 1);  // lane 0 of warp 2, the writer
+    // lane 0 of warp 2, the writer
+    if (ARRIVAL || POLL_AHEAD) mbar_init_pairs(slots.full, slots.empty, 1, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -555,16 +575,14 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
         const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
         const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
-        // query tile t of head h of the group is tile first_tile + h T + t of the counters and sums
-        const i64 first_tile = (static_cast<i64>(bc.batch) * p.heads_q + bc.head * p.group) * tiles_q;
+        const i64 first_tile = fused_first_tile(p, bc, tiles_q);
         const int count = steps.count(p.group);
         for (int s = 0; s < count; ++s, ++staged) {
           const QueryStep at = steps.at(s);
           const i64 tile = first_tile + at.head * tiles_q + at.tile;
-          // The turn first, while the consumers still compute the step: the counter's round trip
-          // to L2 then costs the writer nothing (it waits for no one's staged tile but its own).
+          // The turn: from warp 2 (POLL_AHEAD: already seen on the counter), or computed here
           int turn;
-          if constexpr (ARRIVAL) {
+          if constexpr (ARRIVAL || POLL_AHEAD) {
             const int slot = staged % FUSED_TURN_SLOTS;
             mbar_wait(&slots.full[slot], (staged / FUSED_TURN_SLOTS) & 1);
             turn = *static_cast<volatile int*>(&slots.turns[slot]);
@@ -572,8 +590,10 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           } else {
             turn = steps.turn(bc.block, at, mask);
           }
-          int* counter = p.dq_semaphores + tile;
-          while (load_acquire(counter) != turn) {
+          if constexpr (!POLL_AHEAD) {  // the turn first, while the consumers compute the step
+            const int* counter = p.dq_semaphores + tile;
+            while (load_acquire(counter) != turn) {
+            }
           }
           const int stage = staged % STAGES;
           if constexpr (DQ_IN_STAGE) mbar_wait(&bar.dq_full[stage], (staged / STAGES) & 1);
@@ -599,29 +619,40 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           else mbar_arrive(&bar.dq_empty);
           bulk_wait<0>();  // written
           fence_proxy_async_global();
-          store_release(counter, turn + 1);
+          store_release(p.dq_semaphores + tile, turn + 1);
         }
       }
-    } else if (warp == 2) {  // under the arrival order: the writer's turns, the whole warp counting
-      if constexpr (ARRIVAL) {
-        int staged = 0;
-        for (int step = 0; !walk.done(step); ++step) {
-          const i64 item = walk.item(step);
-          if (item >= walk.num_work) continue;
-          const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
-          const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
-          const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
-          const int count = steps.count(p.group);
-          for (int s = 0; s < count; ++s, ++staged) {
-            const int turn = steps.turn(steps.at(s), mask, p.group, lane);
-            if (lane == 0) {
-              const int slot = staged % FUSED_TURN_SLOTS;
-              mbar_wait(&slots.empty[slot], ((staged / FUSED_TURN_SLOTS) & 1) ^ 1);
-              *static_cast<volatile int*>(&slots.turns[slot]) = turn;
-              mbar_arrive(&slots.full[slot]);
+    } else if (warp == 2 && (ARRIVAL || POLL_AHEAD)) {
+      // The turns, ahead of the writer, handed over in FusedTurnSlots: under the arrival order
+      // counted by the whole warp; with POLL_AHEAD waited for on their counters here. No wait
+      // cycle: the turns are posted in the writer's order, and the writer releases each tile's
+      // counter without waiting for warp 2.
+      int staged = 0;
+      for (int step = 0; !walk.done(step); ++step) {
+        const i64 item = walk.item(step);
+        if (item >= walk.num_work) continue;
+        const BlockCoords bc = decode_paired_work(item, p.heads_kv, p.num_blocks);
+        const Mask mask = Mask::of(p, Seq<false>::of(p, bc.batch).ext);
+        const Steps steps = Steps::of(p, item, bc.block, tiles_q, mask);
+        const i64 first_tile = fused_first_tile(p, bc, tiles_q);
+        const int count = steps.count(p.group);
+        for (int s = 0; s < count; ++s, ++staged) {
+          const QueryStep at = steps.at(s);
+          int turn;
+          if constexpr (ARRIVAL) turn = steps.turn(at, mask, p.group, lane);
+          else turn = steps.turn(bc.block, at, mask);
+          if (lane == 0) {
+            if constexpr (POLL_AHEAD) {
+              const int* counter = p.dq_semaphores + first_tile + at.head * tiles_q + at.tile;
+              while (load_acquire(counter) != turn) {
+              }
             }
-            __syncwarp();
+            const int slot = staged % FUSED_TURN_SLOTS;
+            mbar_wait(&slots.empty[slot], ((staged / FUSED_TURN_SLOTS) & 1) ^ 1);
+            *static_cast<volatile int*>(&slots.turns[slot]) = turn;
+            mbar_arrive(&slots.full[slot]);
           }
+          __syncwarp();
         }
       }
     }
