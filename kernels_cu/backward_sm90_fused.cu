@@ -580,7 +580,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
         for (int s = 0; s < count; ++s, ++staged) {
           const QueryStep at = steps.at(s);
           const i64 tile = first_tile + at.head * tiles_q + at.tile;
-          // The turn: from warp 2 (POLL_AHEAD: already seen on the counter), or computed here
+          // The turn: from warp 2 (POLL_AHEAD: already seen on the counter; warp 2's acquire, then
+          // the slot's mbarrier, order this thread's reduction after the earlier additions), or
+          // computed here
           int turn;
           if constexpr (ARRIVAL || POLL_AHEAD) {
             const int slot = staged % FUSED_TURN_SLOTS;
