@@ -1,6 +1,6 @@
 """Where a fused backward step's time goes: clock64 stamps in the consumers, the writer and the
-loader of attention_backward_fused_tma (d = 64 and 128: the path that stages dQ_part in its own
-tile), on the GPU's own clocks.
+loader of attention_backward_fused_tma (d = 64 and 128, which stage dQ_part in a tile of its own,
+and d = 256, which stages it in the step's Q and dO buffers), on the GPU's own clocks.
 
 A copy of kernels_cu with backward_sm90_fused.cu patched (in a temporary directory) records, for
 the first TRACE_BLOCKS blocks and their first TRACE_STEPS query steps, clock64 at each phase's end
@@ -95,6 +95,40 @@ PATCHES = [
         "",
         f"        {C}TRACE_AT(wg, pipe, 9);\n",
     ),
+    # the consumers at d = 256 (SHARED_KEYS, DQ_IN_STAGE): e2 the scores waited for, e3 the
+    # exchange done, e10 dV, dK and dQ's first half waited for, e11 the consumers' barrier, e12 the
+    # second half waited for, e13 the halves staged (dq_full)
+    (
+        "        keys.issue_scores(x, q_tile, do_tile);\n        wgmma_wait<0>();\n",
+        "",
+        f"        {C}TRACE_AT(wg, pipe, 2);\n",
+    ),
+    (
+        "      } else {\n        keys.issue_scores(q_tile, do_tile);\n",
+        f"        {C}TRACE_AT(wg, pipe, 3);\n",
+        "",
+    ),
+    (
+        "        issue_dq_part<Elem, 64, BN, BN / 16>(acc_a, ds_rows, "
+        "sK + (2 * wg) * (BN * 128), 0);\n        wgmma_wait<0>();\n",
+        "",
+        f"        {C}TRACE_AT(wg, pipe, 10);\n",
+    ),
+    (
+        "        named_barrier_sync(2, CONSUMER_THREADS);\n",
+        "",
+        f"        {C}TRACE_AT(wg, pipe, 11);\n",
+    ),
+    (
+        "        wgmma_wait<0>();\n        fence_accumulators(acc_b);\n",
+        "",
+        f"        {C}TRACE_AT(wg, pipe, 12);\n",
+    ),
+    (
+        "        if (lane == 0) mbar_arrive(&bar.dq_full[stage]);\n",
+        "",
+        f"        {C}TRACE_AT(wg, pipe, 13);\n",
+    ),
     # the writer: e0 its step's start, e1 its turn seen .. e5 the counter released;
     # globaltimer at e0, e1, e5
     (
@@ -134,7 +168,23 @@ PATCHES = [
     ),
 ]
 
-# (role, label, from event, to event); "next" = the next step's e0
+# (role, label, from event, to event); "next" = the next step's e0. d = 256 (DQ_IN_STAGE):
+# PHASES_256's consumer rows instead.
+PHASES_256 = [
+    (0, "stage wait (q_full)", 0, 1),
+    (0, "S^T (this one) or dP^T (the other), waited", 1, 2),
+    (0, "the exchange (P^T, dS^T)", 2, 3),
+    (0, "dV, dK, dQ's first half issued and waited", 3, 10),
+    (0, "consumers' barrier (q_empty arrived)", 10, 11),
+    (0, "first half staged, second half waited", 11, 12),
+    (0, "second half staged, dq_full", 12, 13),
+    (0, "to the next step", 13, "next"),
+    (0, "step", 0, "next"),
+    (1, "stage wait (q_full)", 0, 1),
+    (1, "S^T (the other) or dP^T (this one), waited", 1, 2),
+    (1, "the exchange (P^T, dS^T)", 2, 3),
+    (1, "step", 0, "next"),
+]
 PHASES = [
     (0, "stage wait (q_full)", 0, 1),
     (0, "S^T, dP^T issued and waited", 1, 2),
@@ -208,7 +258,7 @@ def quantile(xs: list[float], f: float) -> float:
     return xs[min(len(xs) - 1, int(f * len(xs)))]
 
 
-def report(raw: list[int]) -> None:
+def report(raw: list[int], head_dim: int) -> None:
     def slot(b: int, role: int, s: int) -> list[int]:
         i = ((b * 4 + role) * TRACE_STEPS + s) * SLOTS
         return raw[i : i + SLOTS]
@@ -224,7 +274,8 @@ def report(raw: list[int]) -> None:
     clock = statistics.median(rates)
     print(f"{len(blocks)} blocks traced; SM clock from the stamps {clock:.0f} MHz")
     print(f"{'role':11s} {'phase':44s} {'median':>7s} {'p90':>7s} (cycles)")
-    for role, label, e0, e1 in PHASES:
+    writer_loader = [row for row in PHASES if row[0] >= 2]
+    for role, label, e0, e1 in PHASES if head_dim <= 128 else PHASES_256 + writer_loader:
         xs = []
         for b in blocks:
             for s in range(4, TRACE_STEPS - 1):
@@ -292,7 +343,7 @@ def main() -> int:
         torch.cuda.synchronize()
         raw = [int(x) for x in trace.get()]
     print(f"bf16 d={d} B={b} N={n} H={h} causal={args.causal}")
-    report(raw)
+    report(raw, d)
     return 0
 
 
