@@ -23,14 +23,17 @@ import shutil
 import statistics
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_kvcache import variant  # noqa: E402
+from trace_decode import trace_array  # noqa: E402
+
 import cuflash  # noqa: E402
-from cuflash import _compile, _kernels, _plans, testing  # noqa: E402
+from cuflash import _kernels, testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
 TRACE_BLOCKS, TRACE_STEPS, SLOTS = 64, 160, 16
@@ -168,9 +171,24 @@ PATCHES = [
     ),
 ]
 
-# (role, label, from event, to event); "next" = the next step's e0. d = 256 (DQ_IN_STAGE):
-# PHASES_256's consumer rows instead.
-PHASES_256 = [
+# (role, label, from event, to event); "next" = the next step's e0. The consumers' phases at
+# d = 64 and 128 (a staging tile) and at d = 256 (DQ_IN_STAGE); the writer's and the loader's.
+CONSUMER_PHASES = [
+    (0, "stage wait (q_full)", 0, 1),
+    (0, "S^T, dP^T issued and waited", 1, 2),
+    (0, "P, dS, dS^T stores", 2, 3),
+    (0, "consumers' barrier", 3, 4),
+    (0, "dQ_part issued and waited (dV, dK issued)", 4, 5),
+    (0, "staging tile's wait (dq_empty)", 5, 6),
+    (0, "staging stores, dq_full", 6, 7),
+    (0, "dV, dK waited (dkdv_complete)", 7, 9),
+    (0, "to the next step", 9, "next"),
+    (0, "step", 0, "next"),
+    (1, "stage wait (q_full)", 0, 1),
+    (1, "staging tile's wait (dq_empty)", 5, 6),
+    (1, "step", 0, "next"),
+]
+CONSUMER_PHASES_256 = [
     (0, "stage wait (q_full)", 0, 1),
     (0, "S^T (this one) or dP^T (the other), waited", 1, 2),
     (0, "the exchange (P^T, dS^T)", 2, 3),
@@ -185,20 +203,7 @@ PHASES_256 = [
     (1, "the exchange (P^T, dS^T)", 2, 3),
     (1, "step", 0, "next"),
 ]
-PHASES = [
-    (0, "stage wait (q_full)", 0, 1),
-    (0, "S^T, dP^T issued and waited", 1, 2),
-    (0, "P, dS, dS^T stores", 2, 3),
-    (0, "consumers' barrier", 3, 4),
-    (0, "dQ_part issued and waited (dV, dK issued)", 4, 5),
-    (0, "staging tile's wait (dq_empty)", 5, 6),
-    (0, "staging stores, dq_full", 6, 7),
-    (0, "dV, dK waited (dkdv_complete)", 7, 9),
-    (0, "to the next step", 9, "next"),
-    (0, "step", 0, "next"),
-    (1, "stage wait (q_full)", 0, 1),
-    (1, "staging tile's wait (dq_empty)", 5, 6),
-    (1, "step", 0, "next"),
+PRODUCER_PHASES = [
     (2, "turn (own poll, or warp 2's: POLL_AHEAD)", 0, 1),
     (2, "dq_full wait", 1, 2),
     (2, "bulk reduction read", 2, 3),
@@ -223,36 +228,6 @@ def patched_kernels(root: Path) -> Path:
     return dst
 
 
-@contextmanager
-def kernels_from(directory: Path):
-    def reset() -> None:
-        _compile._loaded.clear()
-        _plans.clear()
-        _kernels.expanded_source.cache_clear()
-        _kernels.compiled_source.cache_clear()
-
-    saved = _kernels.kernel_dir
-    _kernels.kernel_dir = lambda: directory
-    reset()
-    try:
-        yield
-    finally:
-        _kernels.kernel_dir = saved
-        reset()
-
-
-def trace_array():  # noqa: ANN201
-    import cupy
-
-    count = TRACE_BLOCKS * 4 * TRACE_STEPS * SLOTS
-    for (expr, _), loaded in _compile._loaded.items():
-        if "attention_backward_fused_tma" in expr:
-            address = loaded.function.module.get_global_var("fused_trace")
-            memory = cupy.cuda.UnownedMemory(int(address), 8 * count, loaded.function.module)
-            return cupy.ndarray((count,), cupy.uint64, cupy.cuda.MemoryPointer(memory, 0))
-    return None
-
-
 def quantile(xs: list[float], f: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(f * len(xs)))]
@@ -274,8 +249,8 @@ def report(raw: list[int], head_dim: int) -> None:
     clock = statistics.median(rates)
     print(f"{len(blocks)} blocks traced; SM clock from the stamps {clock:.0f} MHz")
     print(f"{'role':11s} {'phase':44s} {'median':>7s} {'p90':>7s} (cycles)")
-    writer_loader = [row for row in PHASES if row[0] >= 2]
-    for role, label, e0, e1 in PHASES if head_dim <= 128 else PHASES_256 + writer_loader:
+    consumers = CONSUMER_PHASES if head_dim <= 128 else CONSUMER_PHASES_256
+    for role, label, e0, e1 in consumers + PRODUCER_PHASES:
         xs = []
         for b in blocks:
             for s in range(4, TRACE_STEPS - 1):
@@ -329,11 +304,12 @@ def main() -> int:
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     o, lse = cuflash.attention_forward(q, k, v, causal=args.causal)
     choice = KernelChoice(backward="fused")
-    with tempfile.TemporaryDirectory() as tmp, kernels_from(patched_kernels(Path(tmp))):
+    with tempfile.TemporaryDirectory() as tmp, variant(kernels=str(patched_kernels(Path(tmp)))):
         for _ in range(3):  # compiles, warms up
             testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=args.causal)
         torch.cuda.synchronize()
-        trace = trace_array()
+        count = TRACE_BLOCKS * 4 * TRACE_STEPS * SLOTS
+        trace = trace_array("attention_backward_fused_tma", "fused_trace", count)
         if trace is None:
             print("no fused backward module was loaded")
             return 1
