@@ -542,12 +542,14 @@ def _tma_instance(
     # dkdv: K, V per buffer; Q, dO, lse2, D per stage; two barriers each, and a packed item's
     # sequence and head per buffer. The block owns BN keys: 64 per consumer warpgroup, or
     # (hd > 128) 64 shared by two warpgroups that split the head dim and exchange P^T ds'/ds
-    # (float32), dS^T (16-bit) and with a softcap P^T (16-bit) through shared memory, with two
+    # (float32), dS^T (16-bit) and with a softcap P^T (16-bit) through shared memory, with their
     # barriers (Sm90DkdvKeysExchanged).
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
     if split:
-        smem += bn * bm * (4 + 2 + (2 if features & FEATURE_SOFTCAP else 0)) + 16
+        smem += (
+            bn * bm * (4 + 2 + (2 if features & FEATURE_SOFTCAP else 0)) + EXCHANGE_BARRIER_BYTES
+        )
     smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
@@ -644,8 +646,8 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     else:
         dq_tiles = 2 if bm == 64 and hd < 64 * consumers else 1  # SPLIT_KEYS
         dq_fulls = 1
-    # the consumers' exchange area where they share keys (Sm90DkdvKeysExchanged): G, two barriers
-    exchange = bm * bn * 4 + 16 if shared_keys else 0
+    # the consumers' exchange area where they share keys (Sm90DkdvKeysExchanged): G, its barriers
+    exchange = bm * bn * 4 + EXCHANGE_BARRIER_BYTES if shared_keys else 0
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
     smem += exchange
     smem += 8 * stages * bm + 8 * (4 + 2 * stages + dq_fulls) + 4 * 8
@@ -789,12 +791,20 @@ def expanded_source(filename: str) -> str:
 # Shared memory the TMA forward gives the work item posted with each Q buffer
 # (forward_sm90_tma.cu, PostedItem; compiled_source holds the kernel's constant to this).
 POSTED_ITEM_BYTES = 64
+# The d = 256 dK/dV consumers' exchange area's mbarriers (backward_sm90_tma.cuh,
+# Sm90DkdvKeysExchanged): the split and fused kernels' shared memory counts them.
+EXCHANGE_BARRIER_BYTES = 32
+_EXCHANGE_ASSERT = (
+    f"static_assert(cuflash::EXCHANGE_BARRIER_BYTES == {EXCHANGE_BARRIER_BYTES}, "
+    '"cuflash/_kernels.py, EXCHANGE_BARRIER_BYTES");\n'
+)
 # Static_asserts that hold a source's constants to the host's: {source: C++ statements}.
 _SOURCE_ASSERTS = {
     "forward_sm90_tma.cu": f"static_assert(cuflash::POSTED_ITEM_BYTES == {POSTED_ITEM_BYTES}, "
     '"cuflash/_kernels.py, POSTED_ITEM_BYTES");\n',
     "backward_sm90_fused.cu": f"static_assert(cuflash::FUSED_TURN_SLOTS == {FUSED_TURN_SLOTS}, "
-    '"cuflash/_kernels.py, FUSED_TURN_SLOTS");\n',
+    '"cuflash/_kernels.py, FUSED_TURN_SLOTS");\n' + _EXCHANGE_ASSERT,
+    "backward_sm90_tma.cu": _EXCHANGE_ASSERT,
 }
 
 

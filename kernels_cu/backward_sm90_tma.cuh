@@ -54,11 +54,14 @@ __device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delt
 // Then, through shared memory (exchange):
 //   - warpgroup 0: P^T = exp2(S^T scale_log2 - lse2) (masked, modified) as A fragments (its dV)
 //     and G = P^T ds'/ds (float32, fragment order; with a softcap also P^T into a swizzled tile,
-//     stmatrix); every thread arrives on the mbarrier p_in;
-//   - warpgroup 1: waits on p_in; dS^T = G (dP^T - D) as A fragments (its dK) and into a swizzled
-//     tile; P^T's fragments: G rounded (without a softcap G is P^T), else from warpgroup 0's tile
-//     (ldmatrix); arrives on ds_in;
+//     stmatrix), in P_CHUNKS chunks of query columns: every thread arrives on the chunk's mbarrier
+//     p_in[c] once it has stored the chunk;
+//   - warpgroup 1: chunk by chunk, waits on p_in[c], then dS^T = G (dP^T - D) as A fragments (its
+//     dK) and into a swizzled tile; P^T's fragments: G rounded (without a softcap G is P^T), else
+//     from warpgroup 0's tile (ldmatrix); arrives on ds_in after the last chunk;
 //   - warpgroup 0 waits on ds_in and loads dS^T's fragments from the tile.
+//   The chunks let warpgroup 1's dS^T of one chunk run beside warpgroup 0's P^T of the next: the
+//   exchange is a serial hand-off with no product in flight (docs/perf/NOTES.md, v43).
 // Then each: dV += P^T dO_i, dK += dS^T Q_i on its columns (issue_grads). Half the score products
 // of computing them in both warpgroups, and half their shared-memory reads. Single buffers:
 // warpgroup 0 writes the next tile's G (and P^T) only after ds_in, which warpgroup 1 reaches after
@@ -66,6 +69,8 @@ __device__ __forceinline__ void stage_lse_and_delta(float* s_lse2, float* s_delt
 // after its reads (the fused kernel gives it two dS^T tiles in turn: its dQ reads them after the
 // step). mbarriers, every thread arriving: named barriers' arrive / sync, in the same order, made
 // racecheck report hazards on every exchange.
+// The exchange's mbarriers' bytes (cuflash/_kernels.py counts the same).
+constexpr int EXCHANGE_BARRIER_BYTES = 32;
 template <typename Elem, int HD, int BM, int BN, typename Mask, typename Mod>
 struct Sm90DkdvKeysExchanged {
   static constexpr int COLS = HD / 2;  // the head-dim columns of dK and dV this warpgroup holds
@@ -74,9 +79,14 @@ struct Sm90DkdvKeysExchanged {
   static constexpr bool PT_TILE = Mod::HAS_SOFTCAP;  // P^T through a tile (G is not P^T)
   static constexpr int TILE_BYTES = BN * BM * 2;     // P^T, dS^T (16-bit)
   static constexpr int G_BYTES = BN * BM * 4;
-  // The exchange area: G, the mbarriers p_in and ds_in, then (with a softcap) P^T's tile; dS^T's
-  // tile after them where the kernel has none of its own (DS_TILE_BYTES).
-  static constexpr int EXCHANGE_BYTES = G_BYTES + 16 + (PT_TILE ? TILE_BYTES : 0);
+  static constexpr int P_CHUNKS = 2, NT_CHUNK = NT_Q / P_CHUNKS, KK_CHUNK = NT_CHUNK / 2;
+  static_assert(NT_Q % (2 * P_CHUNKS) == 0, "whole k16 steps a chunk");
+  // The exchange area: G, the mbarriers p_in[P_CHUNKS] and ds_in (BARRIER_BYTES), then (with a
+  // softcap) P^T's tile; dS^T's tile after them where the kernel has none of its own
+  // (DS_TILE_BYTES).
+  static constexpr int BARRIER_BYTES = EXCHANGE_BARRIER_BYTES;
+  static_assert(8 * (P_CHUNKS + 1) <= BARRIER_BYTES, "the exchange's barriers");
+  static constexpr int EXCHANGE_BYTES = G_BYTES + BARRIER_BYTES + (PT_TILE ? TILE_BYTES : 0);
   static constexpr int DS_TILE_BYTES = TILE_BYTES;
   const unsigned char *sK, *sV;
   unsigned char* sX;  // the exchange area
@@ -90,11 +100,10 @@ struct Sm90DkdvKeysExchanged {
   __device__ __forceinline__ int col0() const { return wg * COLS; }
   static __device__ __forceinline__ int key_row0(int warp_index) { return (warp_index & 3) * 16; }
   static __device__ __forceinline__ unsigned long long* barriers(unsigned char* exchange) {
-    return reinterpret_cast<unsigned long long*>(exchange + G_BYTES);  // p_in, ds_in
+    return reinterpret_cast<unsigned long long*>(exchange + G_BYTES);  // p_in[P_CHUNKS], ds_in
   }
   static __device__ __forceinline__ void init(unsigned char* exchange) {  // one thread
-    mbar_init(barriers(exchange), 128);
-    mbar_init(barriers(exchange) + 1, 128);
+    for (int b = 0; b <= P_CHUNKS; ++b) mbar_init(barriers(exchange) + b, 128);
   }
 
   __device__ __forceinline__ void clear() { clear_dkdv(acc_dk, acc_dv); }
@@ -126,8 +135,8 @@ struct Sm90DkdvKeysExchanged {
                                            const float* lse2, const float* dlt, const Mask& mask,
                                            Frags& f, unsigned char* ds_tile, int pad0) {
     float4* s_g = reinterpret_cast<float4*>(sX) + (threadIdx.x & 127);
-    unsigned char* s_pt = sX + G_BYTES + 16;
-    unsigned long long *p_in = barriers(sX), *ds_in = p_in + 1;
+    unsigned char* s_pt = sX + G_BYTES + BARRIER_BYTES;
+    unsigned long long *p_in = barriers(sX), *ds_in = p_in + P_CHUNKS;
     const unsigned phase = tiles & 1;
     const int t = lane & 3;
     if (wg == 0) {
@@ -135,35 +144,39 @@ struct Sm90DkdvKeysExchanged {
       if (masked) queries[0] = mask.queries_of(key0), queries[1] = mask.queries_of(key0 + 8);
       const float key_pos[2] = {float(key0), float(key0 + 8)};
 #pragma unroll
-      for (int nt = 0; nt < NT_Q; ++nt) {
-        float g[4];
+      for (int c = 0; c < P_CHUNKS; ++c) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
-          float dcap;                               // ds'/ds of the softcap
-          const float s = mod(x[nt][e], mod.row_pos(m0 + 2 * t + (e & 1)) + float(nt * 8),
-                              key_pos[e >> 1], dcap);
-          float p = fast_exp2(fmaf(s, scale_log2, -lse2[qc]));
-          if (masked && Mask::query_hidden(m0 + qc, queries[e >> 1])) p = 0.f;
-          x[nt][e] = p;
-          g[e] = PT_TILE ? p * dcap : p;
+        for (int nt = c * NT_CHUNK; nt < (c + 1) * NT_CHUNK; ++nt) {
+          float g[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qc = nt * 8 + 2 * t + (e & 1);  // query column within the tile
+            float dcap;                               // ds'/ds of the softcap
+            const float s = mod(x[nt][e], mod.row_pos(m0 + 2 * t + (e & 1)) + float(nt * 8),
+                                key_pos[e >> 1], dcap);
+            float p = fast_exp2(fmaf(s, scale_log2, -lse2[qc]));
+            if (masked && Mask::query_hidden(m0 + qc, queries[e >> 1])) p = 0.f;
+            x[nt][e] = p;
+            g[e] = PT_TILE ? p * dcap : p;
+          }
+          s_g[nt * 128] = make_float4(g[0], g[1], g[2], g[3]);
         }
-        s_g[nt * 128] = make_float4(g[0], g[1], g[2], g[3]);
-      }
+        // P^T's tile (a softcap) before the chunk's arrival: warpgroup 1 reads it with the chunk
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        accum_to_a_frag<Elem>(f.pt[kk], x[2 * kk], x[2 * kk + 1]);
-        if constexpr (PT_TILE)
-          stmatrix_x4(frag_rows(s_pt, kk), f.pt[kk][0], f.pt[kk][1], f.pt[kk][2], f.pt[kk][3]);
+        for (int kk = c * KK_CHUNK; kk < (c + 1) * KK_CHUNK; ++kk) {
+          accum_to_a_frag<Elem>(f.pt[kk], x[2 * kk], x[2 * kk + 1]);
+          if constexpr (PT_TILE)
+            stmatrix_x4(frag_rows(s_pt, kk), f.pt[kk][0], f.pt[kk][1], f.pt[kk][2], f.pt[kk][3]);
+        }
+        mbar_arrive(p_in + c);
       }
-      mbar_arrive(p_in);
       mbar_wait(ds_in, phase);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) ldmatrix_x4(f.dst[kk], smem_addr(frag_rows(ds_tile, kk)));
     } else {
-      mbar_wait(p_in, phase);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
+        if (kk % KK_CHUNK == 0) mbar_wait(p_in + kk / KK_CHUNK, phase);
         float g[2][4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
