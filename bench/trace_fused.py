@@ -132,7 +132,7 @@ PATCHES = [
         "",
         f"        {C}TRACE_AT(wg, pipe, 13);\n",
     ),
-    # the writer: e0 its step's start, e1 its turn seen .. e5 the counter released;
+    # the writer: e0 its step's start, e1 its turn seen .. e5 the counter released (e6 fenced);
     # globaltimer at e0, e1, e5
     (
         "          const i64 tile = first_tile + at.head * tiles_q + at.tile;\n",
@@ -158,9 +158,9 @@ PATCHES = [
         "          TRACE_AT(2, staged, 3);\n",
     ),
     ("          bulk_wait<0>();  // written\n", "", "          TRACE_AT(2, staged, 4);\n"),
-    (
+    (  # e6: the proxy fence done
         "          store_release(p.dq_semaphores + tile, turn + 1);\n",
-        "",
+        "          TRACE_AT(2, staged, 6);\n",
         "          TRACE_AT(2, staged, 5); TRACE_GLOBAL(2, staged, 10);\n",
     ),
     # the loader: e0 before the wait for a free stage, e1 after it
@@ -208,7 +208,8 @@ PRODUCER_PHASES = [
     (2, "dq_full wait", 1, 2),
     (2, "bulk reduction read", 2, 3),
     (2, "bulk reduction written", 3, 4),
-    (2, "fence, release", 4, 5),
+    (2, "proxy fence", 4, 6),
+    (2, "release", 6, 5),
     (2, "to the next step", 5, "next"),
     (2, "step", 0, "next"),
     (3, "wait for a free stage (q_empty)", 0, 1),
