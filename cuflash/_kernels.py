@@ -546,10 +546,8 @@ def _tma_instance(
     # barriers (Sm90DkdvKeysExchanged).
     split = hd > 128
     smem = (2 * bufs * bn + 2 * stages * bm) * row_bytes + 8 * stages * bm
-    if split:
-        smem += (
-            bn * bm * (4 + 2 + (2 if features & FEATURE_SOFTCAP else 0)) + EXCHANGE_BARRIER_BYTES
-        )
+    if split:  # the exchange area, then dS^T's tile
+        smem += _exchange_bytes(bm, bn, bool(features & FEATURE_SOFTCAP)) + bn * bm * 2
     smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
 
@@ -646,8 +644,8 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     else:
         dq_tiles = 2 if bm == 64 and hd < 64 * consumers else 1  # SPLIT_KEYS
         dq_fulls = 1
-    # the consumers' exchange area where they share keys (Sm90DkdvKeysExchanged): G, its barriers
-    exchange = bm * bn * 4 + EXCHANGE_BARRIER_BYTES if shared_keys else 0
+    # the consumers' exchange area where they share keys (no softcap at d = 256 here)
+    exchange = _exchange_bytes(bm, bn, False) if shared_keys else 0
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
     smem += exchange
     smem += 8 * stages * bm + 8 * (4 + 2 * stages + dq_fulls) + 4 * 8
@@ -794,6 +792,14 @@ POSTED_ITEM_BYTES = 64
 # The d = 256 dK/dV consumers' exchange area's mbarriers (backward_sm90_tma.cuh,
 # Sm90DkdvKeysExchanged): the split and fused kernels' shared memory counts them.
 EXCHANGE_BARRIER_BYTES = 32
+
+
+def _exchange_bytes(bm: int, bn: int, softcap: bool) -> int:
+    """Sm90DkdvKeysExchanged::EXCHANGE_BYTES: G (float32), the mbarriers, and with a softcap P^T's
+    16-bit tile."""
+    return bn * bm * 4 + EXCHANGE_BARRIER_BYTES + (bn * bm * 2 if softcap else 0)
+
+
 _EXCHANGE_ASSERT = (
     f"static_assert(cuflash::EXCHANGE_BARRIER_BYTES == {EXCHANGE_BARRIER_BYTES}, "
     '"cuflash/_kernels.py, EXCHANGE_BARRIER_BYTES");\n'

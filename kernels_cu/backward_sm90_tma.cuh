@@ -81,12 +81,12 @@ struct Sm90DkdvKeysExchanged {
   static constexpr int G_BYTES = BN * BM * 4;
   static constexpr int P_CHUNKS = 2, NT_CHUNK = NT_Q / P_CHUNKS, KK_CHUNK = NT_CHUNK / 2;
   static_assert(NT_Q % (2 * P_CHUNKS) == 0, "whole k16 steps a chunk");
-  // The exchange area: G, the mbarriers p_in[P_CHUNKS] and ds_in (BARRIER_BYTES), then (with a
-  // softcap) P^T's tile; dS^T's tile after them where the kernel has none of its own
+  // The exchange area: G, the mbarriers p_in[P_CHUNKS] and ds_in (EXCHANGE_BARRIER_BYTES), then
+  // (with a softcap) P^T's tile; dS^T's tile after them where the kernel has none of its own
   // (DS_TILE_BYTES).
-  static constexpr int BARRIER_BYTES = EXCHANGE_BARRIER_BYTES;
-  static_assert(8 * (P_CHUNKS + 1) <= BARRIER_BYTES, "the exchange's barriers");
-  static constexpr int EXCHANGE_BYTES = G_BYTES + BARRIER_BYTES + (PT_TILE ? TILE_BYTES : 0);
+  static_assert(8 * (P_CHUNKS + 1) <= EXCHANGE_BARRIER_BYTES, "the exchange's barriers");
+  static constexpr int EXCHANGE_BYTES =
+      G_BYTES + EXCHANGE_BARRIER_BYTES + (PT_TILE ? TILE_BYTES : 0);
   static constexpr int DS_TILE_BYTES = TILE_BYTES;
   const unsigned char *sK, *sV;
   unsigned char* sX;  // the exchange area
@@ -135,7 +135,7 @@ struct Sm90DkdvKeysExchanged {
                                            const float* lse2, const float* dlt, const Mask& mask,
                                            Frags& f, unsigned char* ds_tile, int pad0) {
     float4* s_g = reinterpret_cast<float4*>(sX) + (threadIdx.x & 127);
-    unsigned char* s_pt = sX + G_BYTES + BARRIER_BYTES;
+    unsigned char* s_pt = sX + G_BYTES + EXCHANGE_BARRIER_BYTES;
     unsigned long long *p_in = barriers(sX), *ds_in = p_in + P_CHUNKS;
     const unsigned phase = tiles & 1;
     const int t = lane & 3;
