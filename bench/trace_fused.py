@@ -47,6 +47,7 @@ __device__ __forceinline__ unsigned long long trace_global() {{
 }}
 __device__ __forceinline__ unsigned long long* trace_slot(int role, int index) {{
   if (blockIdx.x >= {TRACE_BLOCKS} || index >= {TRACE_STEPS}) return nullptr;
+  if (role == 2 && (threadIdx.x >> 5) == 3) return nullptr;  // HALF_WRITERS: the first half's
   return fused_trace + ((blockIdx.x * 4 + role) * {TRACE_STEPS} + index) * {SLOTS};
 }}
 #define TRACE_AT(role, index, e) \\
@@ -159,8 +160,14 @@ PATCHES = [
     ),
     ("          bulk_wait<0>();  // written\n", "", "          TRACE_AT(2, staged, 4);\n"),
     (  # e6: the proxy fence done
-        "          store_release(p.dq_semaphores + tile, turn + 1);\n",
+        "          if constexpr (HALF_WRITERS) red_release_add(p.dq_semaphores + tile, "
+        "1 << (16 * writer_half()));\n",
         "          TRACE_AT(2, staged, 6);\n",
+        "",
+    ),
+    (
+        "          else store_release(p.dq_semaphores + tile, turn + 1);\n",
+        "",
         "          TRACE_AT(2, staged, 5); TRACE_GLOBAL(2, staged, 10);\n",
     ),
     # the loader: e0 before the wait for a free stage, e1 after it

@@ -232,9 +232,13 @@ def fused_tiles(p: Problem, choice: KernelChoice = DEFAULT) -> tuple[int, int, i
 
 def _rotated_fits(p: Problem, bm: int) -> bool:
     """The rotated turns need an item per start: at most group x query tiles (of bm rows) key
-    blocks per head (backward_sm90_fused.cu, FusedDqOrder)."""
-    bn = _kernels.FUSED_BN[_kernels.head_dim_bucket(p.head_dim)]
-    return 0 < _ceil_div(p.seq_k, bn) <= p.group * _ceil_div(p.seq_q, bm)
+    blocks per head (backward_sm90_fused.cu, FusedDqOrder); at d = 256 a tile's turns are counted
+    in 16 bits (HALF_WRITERS: a half of the counter per writer), so fewer than 2^16 key blocks."""
+    bucket = _kernels.head_dim_bucket(p.head_dim)
+    blocks = _ceil_div(p.seq_k, _kernels.FUSED_BN[bucket])
+    if bucket == 256 and blocks >= 1 << 16:
+        return False
+    return 0 < blocks <= p.group * _ceil_div(p.seq_q, bm)
 
 
 def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:

@@ -634,8 +634,8 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     # (and with 64-row tiles at d = 64 the first consumer's part; at d = 256, none: dQ is staged
     # in the stage's Q and dO buffers, DQ_IN_STAGE), lse2 and D per stage, the barriers (9 of 8
     # bytes with two stages; at d = 256 one dq_full per stage), the repair flags (8 of 4 bytes),
-    # the arrival order's turn slots (FusedTurnSlots: 8 barriers and 4 turns; counted for every
-    # instance, used by some), 1 KB of alignment slack
+    # the turn slots (FusedTurnSlots: 8 barriers and 4 turns; counted for every instance, used by
+    # some; at d = 256 a set per writer), 1 KB of alignment slack
     shared_keys = hd > 128  # SHARED_KEYS: two consumers share 64 keys
     consumers = 2 if shared_keys else bn // 64
     row_bytes = hd * 2
@@ -649,7 +649,8 @@ def _fused_instance(spec, name, family, elem, hd, tiles, features, schedule) -> 
     smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * bm * 2 + dq_tiles * bm * hd * 4
     smem += exchange
     smem += 8 * stages * bm + 8 * (4 + 2 * stages + dq_fulls) + 4 * 8
-    smem += 8 * 2 * FUSED_TURN_SLOTS + 4 * FUSED_TURN_SLOTS + 1024
+    turn_sets = 2 if shared_keys else 1  # d = 256: one set of slots per writer (HALF_WRITERS)
+    smem += (8 * 2 * FUSED_TURN_SLOTS + 4 * FUSED_TURN_SLOTS) * turn_sets + 1024
     if smem > SM90_MAX_SMEM:
         raise ValueError(f"fused dK/dV tiles {tiles} at d = {hd} need {smem} B of shared memory")
     bounded = int(schedule == "bounded")

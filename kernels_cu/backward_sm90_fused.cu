@@ -311,6 +311,12 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// HALF_WRITERS: the half of the columns this writer (warp 1 or 3) adds, read from threadIdx where
+// it is used (kept in a register through the writer's loop, it spilled in its 40)
+__device__ __forceinline__ int writer_half() { return threadIdx.x >> 6 & 1; }
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 // The counters' and sums' index of query tile 0 of the first query head of item bc's group: query
 // tile t of head h of the group is tile fused_first_tile + h T + t (T: query tiles).
 __device__ __forceinline__ i64 fused_first_tile(const Params& p, const BlockCoords& bc,
@@ -441,6 +447,16 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // warp 2's through the slots (d = 128 causal 0.98x, d = 64 0.95x with it); 128-row steps leave
   // the writer slack (docs/perf/NOTES.md v42).
   constexpr bool POLL_AHEAD = !BOUNDED && BM == 64;
+  // HALF_WRITERS (d = 256 without a bound): two writers (warps 1 and 3), one per half of the
+  // tile's columns (the consumers' halves, staged in the Q and dO buffers), each with its own
+  // turns, counted in its own 16-bit half of the tile's counter and waited for ahead by lane h of
+  // warp 2 (POLL_AHEAD), handed over in its own FusedTurnSlots. There 64 key blocks' items visit
+  // a head's 64 query tiles a step apart, so every tile takes an addition each step, and one
+  // writer's chain per addition (turn seen, read of both halves, release, hand-off: ~5,900
+  // cycles) was the step (docs/perf/NOTES.md v43); the halves' chains run side by side.
+  constexpr bool HALF_WRITERS = HD > 128 && !BOUNDED;
+  static_assert(!HALF_WRITERS || POLL_AHEAD, "the halves' turns are polled ahead");
+  constexpr int TURN_SETS = HALF_WRITERS ? 2 : 1;  // FusedTurnSlots: one per writer
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
@@ -509,7 +525,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   float* s_delta = s_lse2 + STAGES * BM;                   // STAGES x BM
   typedef FusedBarriers<STAGES, DQ_FULLS> Barriers;
   Barriers& bar = *reinterpret_cast<Barriers*>(s_delta + STAGES * BM);
-  FusedTurnSlots& slots = *reinterpret_cast<FusedTurnSlots*>(&bar + 1);
+  FusedTurnSlots* turn_sets = reinterpret_cast<FusedTurnSlots*>(&bar + 1);  // TURN_SETS
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // the host pairs heavy items with light ones under a right bound (p.paired)
   const WorkWalk<false> walk{p.num_work, BOUNDED && p.paired != 0};
@@ -520,7 +536,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     mbar_init(&bar.kv_empty, 4 * CONSUMERS);
     // q_full: the copies' bytes and each producer lane's lse2, D; q_empty: every consumer thread
     // (and, DQ_IN_STAGE, the writer)
-    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32, CONSUMER_THREADS + (DQ_IN_STAGE ? 1 : 0));
+    mbar_init_pairs(bar.q_full, bar.q_empty, 1 + 32,
+                    CONSUMER_THREADS + (DQ_IN_STAGE ? (HALF_WRITERS ? 2 : 1) : 0));
     for (int i = 0; i < DQ_FULLS; ++i)
       mbar_init(&bar.dq_full[i], SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
     mbar_init(&bar.dq_empty, 1);             // the writer
@@ -528,7 +545,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
     if constexpr (SHARED_KEYS) Keys::init(sX);
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
     // lane 0 of warp 2, the writer
-    if (ARRIVAL || POLL_AHEAD) mbar_init_pairs(slots.full, slots.empty, 1, 1);
+    if (ARRIVAL || POLL_AHEAD) mbar_init_pairs(turn_sets[0].full, turn_sets[0].empty, 1, 1);
+    if (TURN_SETS > 1) mbar_init_pairs(turn_sets[1].full, turn_sets[1].empty, 1, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -567,7 +585,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           mbar_arrive(&bar.q_full[stage]);
         }
       }
-    } else if (warp == 1 && lane == 0) {  // the writer
+    } else if ((warp == 1 || (HALF_WRITERS && warp == 3)) && lane == 0) {  // the writer(s)
       int staged = 0;
       for (int step = 0; !walk.done(step); ++step) {
         const i64 item = walk.item(step);
@@ -585,6 +603,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           // computed here
           int turn;
           if constexpr (ARRIVAL || POLL_AHEAD) {
+            FusedTurnSlots& slots = turn_sets[HALF_WRITERS ? writer_half() : 0];
             const int slot = staged % FUSED_TURN_SLOTS;
             mbar_wait(&slots.full[slot], (staged / FUSED_TURN_SLOTS) & 1);
             turn = *static_cast<volatile int*>(&slots.turns[slot]);
@@ -602,7 +621,13 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           else mbar_wait(&bar.dq_full[0], staged & 1);
           fence_proxy_async_global();  // the earlier turns' additions before this one
           float* sums = p.dq_accum + tile * (BM * HD);
-          if constexpr (DQ_IN_STAGE) {  // the consumers' halves: in the stage's Q and dO buffers
+          if constexpr (HALF_WRITERS) {  // this writer's half: in the stage's Q or dO buffer
+            const int half = writer_half();
+            float* dst = sums + half * (BM * HD / 2);
+            const unsigned char* src = sQ + (half * STAGES + stage) * ROWS_BYTES;  // sdO: half 1
+            if (turn == 0) bulk_store(dst, src, DQ_BYTES / 2);
+            else bulk_reduce_add(dst, src, DQ_BYTES / 2);
+          } else if constexpr (DQ_IN_STAGE) {  // the consumers' halves: in the stage's Q and dO
             float* second = sums + BM * HD / 2;
             if (turn == 0) {
               bulk_store(sums, sQ + stage * ROWS_BYTES, DQ_BYTES / 2);
@@ -621,7 +646,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           else mbar_arrive(&bar.dq_empty);
           bulk_wait<0>();  // written
           fence_proxy_async_global();
-          store_release(p.dq_semaphores + tile, turn + 1);
+          if constexpr (HALF_WRITERS) red_release_add(p.dq_semaphores + tile, 1 << (16 * writer_half()));
+          else store_release(p.dq_semaphores + tile, turn + 1);
         }
       }
     } else if (warp == 2 && (ARRIVAL || POLL_AHEAD)) {
@@ -643,12 +669,18 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           int turn;
           if constexpr (ARRIVAL) turn = steps.turn(at, mask, p.group, lane);
           else turn = steps.turn(bc.block, at, mask);
-          if (lane == 0) {
+          if (TURN_SETS > 1 ? lane < TURN_SETS : lane == 0) {  // HALF_WRITERS: lane h, half h's
             if constexpr (POLL_AHEAD) {
               const int* counter = p.dq_semaphores + first_tile + at.head * tiles_q + at.tile;
-              while (load_acquire(counter) != turn) {
+              if constexpr (HALF_WRITERS) {
+                while (((load_acquire(counter) >> (16 * lane)) & 0xffff) != turn) {
+                }
+              } else {
+                while (load_acquire(counter) != turn) {
+                }
               }
             }
+            FusedTurnSlots& slots = turn_sets[TURN_SETS > 1 ? lane : 0];
             const int slot = staged % FUSED_TURN_SLOTS;
             mbar_wait(&slots.empty[slot], ((staged / FUSED_TURN_SLOTS) & 1) ^ 1);
             *static_cast<volatile int*>(&slots.turns[slot]) = turn;
