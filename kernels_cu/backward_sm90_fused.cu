@@ -19,7 +19,9 @@
 //     in its turn: the tile's counter says how many items have added theirs. The writer waits for
 //     the turn before the staged tile (without a bound at 64-row tiles, warp 2 waits for it a
 //     few tiles ahead: POLL_AHEAD), hands the staging tile back once the reduction has read it,
-//     and releases the counter once the reduction is written.
+//     and releases the counter once the reduction is written. At d = 256 without a bound two
+//     writers (warps 1 and 3) each add one half of the columns in its own turns, counted in its
+//     own 16-bit half of the counter (HALF_WRITERS).
 // The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
 // by the shapes alone, and an item waits only for additions that come before its own.
 //   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
