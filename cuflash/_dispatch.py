@@ -232,13 +232,16 @@ def fused_tiles(p: Problem, choice: KernelChoice = DEFAULT) -> tuple[int, int, i
 
 def _rotated_fits(p: Problem, bm: int) -> bool:
     """The rotated turns need an item per start: at most group x query tiles (of bm rows) key
-    blocks per head (backward_sm90_fused.cu, FusedDqOrder); at d = 256 a tile's turns are counted
-    in 16 bits (HALF_WRITERS: a half of the counter per writer), so fewer than 2^16 key blocks."""
-    bucket = _kernels.head_dim_bucket(p.head_dim)
-    blocks = _ceil_div(p.seq_k, _kernels.FUSED_BN[bucket])
-    if bucket == 256 and blocks >= 1 << 16:
-        return False
+    blocks per head (backward_sm90_fused.cu, FusedDqOrder)."""
+    blocks = _ceil_div(p.seq_k, _kernels.FUSED_BN[_kernels.head_dim_bucket(p.head_dim)])
     return 0 < blocks <= p.group * _ceil_div(p.seq_q, bm)
+
+
+def _half_turns_fit(p: Problem) -> bool:
+    """At d = 256 a tile's turns are counted in 16 bits (HALF_WRITERS, backward_sm90_fused.cu: a
+    half of the counter per writer), so fewer than 2^16 key blocks."""
+    bucket = _kernels.head_dim_bucket(p.head_dim)
+    return bucket != 256 or _ceil_div(p.seq_k, _kernels.FUSED_BN[bucket]) < 1 << 16
 
 
 def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
@@ -246,9 +249,10 @@ def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     for its features (not packed) and bucket; without a right bound, no left bound either and at
     most as many key blocks per head as query steps (group x query tiles of its BM: the rotated
     turns need an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the
-    "bounded" schedule, fused_schedule), any group."""
+    "bounded" schedule, fused_schedule), any group; at d = 256 fewer than 2^16 key blocks
+    (_half_turns_fit)."""
     available = _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
-    if not (available and p.seq_q > 0 and p.seq_k > 0):
+    if not (available and p.seq_q > 0 and p.seq_k > 0 and _half_turns_fit(p)):
         return False
     if p.mask.bounded_right:
         return True

@@ -19,9 +19,9 @@
 //     in its turn: the tile's counter says how many items have added theirs. The writer waits for
 //     the turn before the staged tile (without a bound at 64-row tiles, warp 2 waits for it a
 //     few tiles ahead: POLL_AHEAD), hands the staging tile back once the reduction has read it,
-//     and releases the counter once the reduction is written. At d = 256 without a bound two
-//     writers (warps 1 and 3) each add one half of the columns in its own turns, counted in its
-//     own 16-bit half of the counter (HALF_WRITERS).
+//     and releases the counter once the reduction is written. At d = 256 two writers (warps 1
+//     and 3) each add one half of the columns in its own turns, counted in its own 16-bit half of
+//     the counter (HALF_WRITERS).
 // The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
 // by the shapes alone, and an item waits only for additions that come before its own.
 //   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
@@ -449,15 +449,17 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // warp 2's through the slots (d = 128 causal 0.98x, d = 64 0.95x with it); 128-row steps leave
   // the writer slack (docs/perf/NOTES.md v42).
   constexpr bool POLL_AHEAD = !BOUNDED && BM == 64;
-  // HALF_WRITERS (d = 256 without a bound): two writers (warps 1 and 3), one per half of the
-  // tile's columns (the consumers' halves, staged in the Q and dO buffers), each with its own
-  // turns, counted in its own 16-bit half of the tile's counter and waited for ahead by lane h of
-  // warp 2 (POLL_AHEAD), handed over in its own FusedTurnSlots. There 64 key blocks' items visit
-  // a head's 64 query tiles a step apart, so every tile takes an addition each step, and one
-  // writer's chain per addition (turn seen, read of both halves, release, hand-off: ~5,900
-  // cycles) was the step (docs/perf/NOTES.md v43); the halves' chains run side by side.
-  constexpr bool HALF_WRITERS = HD > 128 && !BOUNDED;
-  static_assert(!HALF_WRITERS || POLL_AHEAD, "the halves' turns are polled ahead");
+  // HALF_WRITERS (d = 256): two writers (warps 1 and 3), one per half of the tile's columns (the
+  // consumers' halves, staged in the Q and dO buffers), each with its own turns, counted in its
+  // own 16-bit half of the tile's counter (waited for ahead by lane h of warp 2 with POLL_AHEAD,
+  // handed over in its own FusedTurnSlots; under a bound each writer polls its own half). Without
+  // a bound 64 key blocks' items visit a head's 64 query tiles a step apart, so every tile takes
+  // an addition each step, and one writer's chain per addition (turn seen, read of both halves,
+  // release, hand-off: ~5,900 cycles) was the step (docs/perf/NOTES.md v43); the halves' chains
+  // run side by side. Under a bound the turns are waited for (the arrival order), and the chain
+  // is the same; the bounded instances without warp 2's turns (windows, modifiers), whose writer
+  // computes its turns, keep one writer (two spilled 4 B in the producer's 40 registers).
+  constexpr bool HALF_WRITERS = HD > 128 && (ARRIVAL || POLL_AHEAD);
   constexpr int TURN_SETS = HALF_WRITERS ? 2 : 1;  // FusedTurnSlots: one per writer
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
@@ -615,7 +617,13 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           }
           if constexpr (!POLL_AHEAD) {  // the turn first, while the consumers compute the step
             const int* counter = p.dq_semaphores + tile;
-            while (load_acquire(counter) != turn) {
+            if constexpr (HALF_WRITERS) {
+              const int shift = 16 * writer_half();
+              while (((load_acquire(counter) >> shift) & 0xffff) != turn) {
+              }
+            } else {
+              while (load_acquire(counter) != turn) {
+              }
             }
           }
           const int stage = staged % STAGES;

@@ -805,7 +805,7 @@ def test_the_rotated_schedule_takes_64_row_tiles_where_128_give_too_few_query_st
     assert not _dispatch.fused_backward_fits(replace(p, seq_k=20608))
 
 
-def test_the_rotated_schedule_at_d_256_counts_turns_in_16_bits():
+def test_the_fused_backward_at_d_256_counts_turns_in_16_bits():
     # HALF_WRITERS (backward_sm90_fused.cu): each writer's turns in its half of the counter, so
     # fewer than 2^16 key blocks of 64 keys; other buckets count in all 32 bits
     blocks = 1 << 16
@@ -813,6 +813,10 @@ def test_the_rotated_schedule_at_d_256_counts_turns_in_16_bits():
     assert _dispatch.fused_backward_fits(p)
     assert not _dispatch.fused_backward_fits(replace(p, seq_k=64 * blocks))
     assert _dispatch.fused_backward_fits(replace(p, head_dim=128, seq_k=128 * blocks))
+    # under a bound too (the writers poll their own halves' turns)
+    causal = replace(p, seq_q=64 * blocks, window=(None, 0))
+    assert _dispatch.fused_backward_fits(replace(causal, seq_k=64 * (blocks - 1)))
+    assert not _dispatch.fused_backward_fits(replace(causal, seq_k=64 * blocks))
 
 
 # The kernels whose rows go out from registers in 16-byte pieces with no alignment test of their

@@ -8,8 +8,9 @@ path (unaligned views), with a sliding window and with every score modifier (the
 instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
 before row 0 and meets a NaN key (the repair path). --all-buckets covers every
 head-dim instance; --forward-tiles and --register-store choose other TMA forwards, --walk-heads
-another order of the persistent forward's and dQ's work items in the windowed calls (an explicit
-KernelChoice, cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
+another order of the persistent forward's and dQ's work items in the windowed calls, --backward
+fused or split the Hopper backward where the call allows it (an explicit KernelChoice,
+cuflash/_dispatch.py). --cases varlen runs packed variable-length calls instead
 (cuflash.attention_varlen_*: every dtype, the head dims above, causal, windows, softcap, ALiBi,
 aligned and unaligned, offsets well-formed and, trusted with max_seqlen given, malformed);
 --cases kvcache runs attention_with_kvcache (every dtype: the decoding kernels for fp16 / bf16 with
@@ -272,6 +273,12 @@ def main() -> int:
         help="the TMA forward's and dQ's order of items (in the windowed calls)",
     )
     parser.add_argument(
+        "--backward",
+        choices=["fused", "split"],
+        default=None,
+        help="the Hopper backward to run where the call allows it (default: the library's)",
+    )
+    parser.add_argument(
         "--cases",
         choices=["dense", "varlen", "kvcache", "fp8", "softcap", "all"],
         default="dense",
@@ -284,6 +291,7 @@ def main() -> int:
         tiles=((("forward", "tma"), tiles),) if tiles else (),
         o_store="registers" if args.register_store else "tma",
         walk_heads=args.walk_heads,
+        backward=args.backward,
     )
     head_dims = (24, 64, 72, 128, 136, 192, 200, 256) if args.all_buckets else (40, 200)
     head_dims = tuple(args.head_dim or head_dims)
