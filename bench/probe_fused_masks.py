@@ -29,7 +29,9 @@ from cuflash._dispatch import KernelChoice  # noqa: E402
 CASES = [
     ("dense", 4, 4096, 4096, 16, 16, False, None, False),
     ("dense", 1, 16384, 16384, 16, 16, False, None, False),
+    ("causal", 16, 1024, 1024, 16, 16, True, None, False),
     ("causal", 4, 4096, 4096, 16, 16, True, None, False),
+    ("causal", 1, 16384, 16384, 16, 16, True, None, False),
     ("alibi", 4, 4096, 4096, 16, 16, False, None, True),
     ("causal alibi", 4, 4096, 4096, 16, 16, True, None, True),
     ("softcap alibi", 4, 4096, 4096, 16, 16, False, None, True, 30.0),
