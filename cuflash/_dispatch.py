@@ -261,6 +261,10 @@ def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     return _rotated_fits(p, fused_tiles(p, choice)[0])
 
 
+# d = 256 under a causal mask: the fused backward from this many query rows (fused_backward_chosen)
+FUSED_CAUSAL_ROWS_256 = 4096
+
+
 def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     """Whether the backward of `p` takes the fused kernels where the GPU (sm_90a) and the strides
     (TMA-readable) allow: where it fits (fused_backward_fits) and the choice allows it (backward
@@ -269,7 +273,10 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     faster on the split TMA kernels (fused 0.87-0.94x of them at Nk = 2 Nq, H100:
     docs/perf/NOTES.md, v23), where those serve the call (not with ALiBi: the table takes the
     wgmma kernels there). At d = 256 a right bound (causal, windows) runs faster on the split TMA
-    kernels (fused 0.94x of them causal at 4k, H200: docs/perf/NOTES.md, v40)."""
+    kernels (fused 0.94x of them causal at 4k, H200: docs/perf/NOTES.md, v40), except a causal
+    mask alone over at least FUSED_CAUSAL_ROWS_256 queries and no more keys than queries, where
+    the fused kernel's halves of dQ in their own turns (v44) run 1.01-1.10x the split kernels
+    (1k: 0.94-1.00x; more keys than queries 0.82-0.87x; ALiBi 0.88x)."""
     if choice.backward == "split" or choice.path not in (None, "tma"):
         return False
     if not fused_backward_fits(p, choice):
@@ -280,7 +287,12 @@ def fused_backward_chosen(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     causal_like = p.mask.bounded_right and not p.mask.local
     split_tma = "tma" in _kernels.paths("dkdv", p.dtype, p.head_dim, "sm_90a", features(p))
     if bucket == 256 and p.mask.bounded_right and split_tma:
-        return False
+        return (
+            causal_like
+            and features(p) == 0
+            and p.seq_q >= FUSED_CAUSAL_ROWS_256
+            and p.seq_k <= p.seq_q
+        )
     return not (bucket == 64 and causal_like and p.seq_k > p.seq_q and split_tma)
 
 

@@ -317,12 +317,25 @@ def test_the_fused_backward_at_d_64_leaves_causal_calls_with_more_keys_to_the_sp
         assert chosen.dkdv.aligned.spec.path == "fused", change
     # d = 128: causal calls too
     assert _dispatch.fused_backward_chosen(replace(causal, head_dim=128))
-    # d = 256: without a right bound only (_dispatch.fused_backward_chosen); an explicit choice
-    # gets the fused kernels under one too
+    # d = 256: without a right bound, and under a causal mask alone from 4096 query rows with no
+    # more keys than queries (_dispatch.fused_backward_chosen); an explicit choice gets the fused
+    # kernels under any bound
     wide = replace(causal, head_dim=256, seq_k=1000)
     assert _dispatch.fused_backward_fits(wide) and not _dispatch.fused_backward_chosen(wide)
     assert _dispatch.fused_backward_chosen(wide, fused)
     assert _dispatch.fused_backward_chosen(replace(wide, window=(None, None)))
+    rows = _dispatch.FUSED_CAUSAL_ROWS_256
+    long = replace(wide, seq_q=rows, seq_k=rows)
+    assert _dispatch.fused_backward_chosen(long)
+    assert _dispatch.fused_backward_chosen(replace(long, seq_k=rows - 1))
+    for change in (
+        dict(seq_q=rows - 1, seq_k=rows - 1),
+        dict(seq_k=rows + 1),  # more keys than queries
+        dict(alibi=True),
+        dict(window=(500, 0)),
+    ):
+        assert not _dispatch.fused_backward_chosen(replace(long, **change)), change
+        assert _dispatch.fused_backward_chosen(replace(long, **change), fused), change
 
 
 @pytest.mark.parametrize(

@@ -106,15 +106,15 @@ def test_turns_across_waves(shape, causal, head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
+@pytest.mark.parametrize("head_dim,seq", [(64, 3000), (128, 3000), (256, 3000), (256, 4096)])
+def test_fused_backward_is_deterministic_and_the_default(causal, head_dim, seq):
     import cuflash
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     kv, d = 2, head_dim
-    q, do = (torch.randn(2, 3000, 8, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    q, do = (torch.randn(2, seq, 8, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
     # as many keys as queries: the library's choice at d = 64 too (fused_backward_chosen)
-    k, v = (torch.randn(2, 3000, kv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
+    k, v = (torch.randn(2, seq, kv, d, generator=gen, device="cuda").bfloat16() for _ in "ab")
     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
     first = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
     for _ in range(3):
@@ -124,9 +124,9 @@ def test_fused_backward_is_deterministic_and_the_default(causal, head_dim):
     split = testing.attention_backward_with(SPLIT, do, q, k, v, o, lse, causal=causal)
     assert backward_paths((None, fused[3])) == ("fused", "fused")
     assert backward_paths((None, split[3])) == ("tma", "tma")
-    # the library's choice: fused, but at d = 256 under a causal mask the split kernels
-    # (_dispatch.fused_backward_chosen)
-    default = split if head_dim == 256 and causal else fused
+    # the library's choice: fused, but at d = 256 under a causal mask over fewer than 4096 rows
+    # the split kernels (_dispatch.fused_backward_chosen)
+    default = split if head_dim == 256 and causal and seq < 4096 else fused
     assert _dispatch.fused_backward_chosen(fused[3].p) == (default is fused)
     assert all(torch.equal(a, b) for a, b in zip(first, default[:3], strict=True))
     # the two agree to the dtype's rounding (they add in other orders)
