@@ -238,10 +238,12 @@ def _rotated_fits(p: Problem, bm: int) -> bool:
 
 
 def _half_turns_fit(p: Problem) -> bool:
-    """At d = 256 a tile's turns are counted in 16 bits (HALF_WRITERS, backward_sm90_fused.cu: a
-    half of the counter per writer), so fewer than 2^16 key blocks."""
+    """At d = 256, and at d = 128 under a right bound, a tile's turns are counted in 16 bits
+    (HALF_WRITERS, backward_sm90_fused.cu: a half of the counter per writer), so fewer than 2^16
+    key blocks."""
     bucket = _kernels.head_dim_bucket(p.head_dim)
-    return bucket != 256 or _ceil_div(p.seq_k, _kernels.FUSED_BN[bucket]) < 1 << 16
+    halves = bucket == 256 or (bucket == 128 and p.mask.bounded_right)
+    return not halves or _ceil_div(p.seq_k, _kernels.FUSED_BN[bucket]) < 1 << 16
 
 
 def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
@@ -249,8 +251,8 @@ def fused_backward_fits(p: Problem, choice: KernelChoice = DEFAULT) -> bool:
     for its features (not packed) and bucket; without a right bound, no left bound either and at
     most as many key blocks per head as query steps (group x query tiles of its BM: the rotated
     turns need an item per start, backward_sm90_fused.cu); with one (causal, sliding windows: the
-    "bounded" schedule, fused_schedule), any group; at d = 256 fewer than 2^16 key blocks
-    (_half_turns_fit)."""
+    "bounded" schedule, fused_schedule), any group; at d = 256, and at d = 128 under a right
+    bound, fewer than 2^16 key blocks (_half_turns_fit)."""
     available = _kernels.fused_backward_available(p.dtype, p.head_dim, features(p))
     if not (available and p.seq_q > 0 and p.seq_k > 0 and _half_turns_fit(p)):
         return False

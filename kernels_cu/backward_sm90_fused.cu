@@ -19,9 +19,9 @@
 //     in its turn: the tile's counter says how many items have added theirs. The writer waits for
 //     the turn before the staged tile (without a bound at 64-row tiles, warp 2 waits for it a
 //     few tiles ahead: POLL_AHEAD), hands the staging tile back once the reduction has read it,
-//     and releases the counter once the reduction is written. At d = 256 two writers (warps 1
-//     and 3) each add one half of the columns in its own turns, counted in its own 16-bit half of
-//     the counter (HALF_WRITERS).
+//     and releases the counter once the reduction is written. At d = 256, and at d = 128 under a
+//     causal mask alone, two writers (warps 1 and 3) each add one half of the columns in its own
+//     turns, counted in its own 16-bit half of the counter (HALF_WRITERS).
 // The turns, deterministic whatever the timing: each query tile's additions come in an order fixed
 // by the shapes alone, and an item waits only for additions that come before its own.
 //   - Unbounded masks ("rotated", FusedDqOrder): every key block adds to every query tile. The
@@ -449,18 +449,23 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // warp 2's through the slots (d = 128 causal 0.98x, d = 64 0.95x with it); 128-row steps leave
   // the writer slack (docs/perf/NOTES.md v42).
   constexpr bool POLL_AHEAD = !BOUNDED && BM == 64;
-  // HALF_WRITERS (d = 256): two writers (warps 1 and 3), one per half of the tile's columns (the
-  // consumers' halves, staged in the Q and dO buffers), each with its own turns, counted in its
-  // own 16-bit half of the tile's counter (waited for ahead by lane h of warp 2 with POLL_AHEAD,
-  // handed over in its own FusedTurnSlots; under a bound each writer polls its own half). Without
-  // a bound 64 key blocks' items visit a head's 64 query tiles a step apart, so every tile takes
-  // an addition each step, and one writer's chain per addition (turn seen, read of both halves,
-  // release, hand-off: ~5,900 cycles) was the step (docs/perf/NOTES.md v43); the halves' chains
-  // run side by side. Under a bound the turns are waited for (the arrival order), and the chain
-  // is the same; the bounded instances without warp 2's turns (windows, modifiers), whose writer
-  // computes its turns, keep one writer (two spilled 4 B in the producer's 40 registers).
-  constexpr bool HALF_WRITERS = HD > 128 && (ARRIVAL || POLL_AHEAD);
-  constexpr int TURN_SETS = HALF_WRITERS ? 2 : 1;  // FusedTurnSlots: one per writer
+  // HALF_WRITERS: two writers (warps 1 and 3), one per half of the tile's columns (the
+  // consumers' halves: at d = 256 staged in the stage's Q and dO buffers, at d = 128 the staging
+  // tile's two halves), each with its own turns, counted in its own 16-bit half of the tile's
+  // counter (waited for ahead by lane h of warp 2 with POLL_AHEAD, handed over in its own
+  // FusedTurnSlots; under a bound each writer polls its own half). At d = 256 without a bound 64
+  // key blocks' items visit a head's 64 query tiles a step apart, so every tile takes an addition
+  // each step, and one writer's chain per addition (turn seen, read of both halves, release,
+  // hand-off: ~5,900 cycles) was the step (docs/perf/NOTES.md v43); the halves' chains run side
+  // by side. Under a bound the turns are waited for, and the chain is the same (d = 256 and 128
+  // under a causal mask alone: 1.06x at d = 256, v44). The bounded instances with a window or a
+  // score modifier keep one writer (at d = 256, whose writer then computes its turns, two spilled
+  // 4 B in the producer's 40 registers); so does d = 128 without a bound, where the poll ahead
+  // gave the chain slack (v42).
+  constexpr bool PLAIN_BOUND = BOUNDED && !F::LOCAL && !Mod::ANY;
+  constexpr bool HALF_WRITERS = HD > 128 ? !BOUNDED || ARRIVAL : HD == 128 && PLAIN_BOUND;
+  // FusedTurnSlots: one set per writer where warp 2 hands the turns over
+  constexpr int TURN_SETS = HALF_WRITERS && (ARRIVAL || POLL_AHEAD) ? 2 : 1;
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
   static_assert(!F::PACKED, "no packing");
   static_assert(BOUNDED || !F::LOCAL, "a window takes the bounded order");
@@ -490,6 +495,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   constexpr bool DQ_IN_STAGE = SHARED_KEYS;
   constexpr int DQ_FULLS = DQ_IN_STAGE ? STAGES : 1;
   constexpr int DQ_COLS = SPLIT_ROWS || SPLIT_KEYS ? HD : HD / CONSUMERS, NT_DQ = DQ_COLS / 8;
+  static_assert(!HALF_WRITERS || !(SPLIT_ROWS || SPLIT_KEYS), "a writer per consumer's columns");
   constexpr int KEYS_BYTES = BN * HD * 2, ROWS_BYTES = BM * HD * 2;
   constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * HD * 4;
   constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -497,8 +503,9 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // Registers: the producer warpgroup's two working warps need more than the 24 of
   // WarpSpecialisedRegisters (it spilled 152 B there); the consumers fit in 232. SHARED_KEYS with
   // the arrival order: warp 2's turns spilled 16 B in 40, and those consumers (no modifier) fit
-  // in 224 (the modifiers' spilled 8-92 B there).
-  constexpr bool WIDE_PRODUCER = SHARED_KEYS && ARRIVAL;
+  // in 224 (the modifiers' spilled 8-92 B there); d = 128's half writers, each computing its
+  // turns, spilled 4 B in 40, and those consumers fit in 224.
+  constexpr bool WIDE_PRODUCER = SHARED_KEYS ? ARRIVAL : HALF_WRITERS;
   constexpr int PRODUCER_REGISTERS = WIDE_PRODUCER ? 56 : 40;
   constexpr int CONSUMER_REGISTERS = WIDE_PRODUCER ? 224 : 232;
   // setmaxnreg moves only the registers the block was launched with (65536 / threads, rounded
@@ -544,7 +551,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
                     CONSUMER_THREADS + (DQ_IN_STAGE ? (HALF_WRITERS ? 2 : 1) : 0));
     for (int i = 0; i < DQ_FULLS; ++i)
       mbar_init(&bar.dq_full[i], SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
-    mbar_init(&bar.dq_empty, 1);             // the writer
+    mbar_init(&bar.dq_empty, HALF_WRITERS ? 2 : 1);  // the writer(s)
     mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
     if constexpr (SHARED_KEYS) Keys::init(sX);
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
@@ -607,7 +614,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           // computed here
           int turn;
           if constexpr (ARRIVAL || POLL_AHEAD) {
-            FusedTurnSlots& slots = turn_sets[HALF_WRITERS ? writer_half() : 0];
+            FusedTurnSlots& slots = turn_sets[TURN_SETS > 1 ? writer_half() : 0];
             const int slot = staged % FUSED_TURN_SLOTS;
             mbar_wait(&slots.full[slot], (staged / FUSED_TURN_SLOTS) & 1);
             turn = *static_cast<volatile int*>(&slots.turns[slot]);
@@ -632,9 +639,11 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           fence_proxy_async_global();  // the earlier turns' additions before this one
           float* sums = p.dq_accum + tile * (BM * HD);
           if constexpr (HALF_WRITERS) {  // this writer's half: in the stage's Q or dO buffer
-            const int half = writer_half();
+            const int half = writer_half();  // (d = 256), or of the staging tile (d = 128)
             float* dst = sums + half * (BM * HD / 2);
-            const unsigned char* src = sQ + (half * STAGES + stage) * ROWS_BYTES;  // sdO: half 1
+            const unsigned char* src =
+                DQ_IN_STAGE ? sQ + (half * STAGES + stage) * ROWS_BYTES  // sdO: half 1
+                            : reinterpret_cast<const unsigned char*>(sdQ) + half * (DQ_BYTES / 2);
             if (turn == 0) bulk_store(dst, src, DQ_BYTES / 2);
             else bulk_reduce_add(dst, src, DQ_BYTES / 2);
           } else if constexpr (DQ_IN_STAGE) {  // the consumers' halves: in the stage's Q and dO

@@ -830,6 +830,10 @@ def test_the_fused_backward_at_d_256_counts_turns_in_16_bits():
     causal = replace(p, seq_q=64 * blocks, window=(None, 0))
     assert _dispatch.fused_backward_fits(replace(causal, seq_k=64 * (blocks - 1)))
     assert not _dispatch.fused_backward_fits(replace(causal, seq_k=64 * blocks))
+    # d = 128: under a bound only (128-key blocks)
+    narrow = replace(causal, head_dim=128, seq_q=128 * blocks)
+    assert _dispatch.fused_backward_fits(replace(narrow, seq_k=128 * (blocks - 1)))
+    assert not _dispatch.fused_backward_fits(replace(narrow, seq_k=128 * blocks))
 
 
 # The kernels whose rows go out from registers in 16-byte pieces with no alignment test of their
