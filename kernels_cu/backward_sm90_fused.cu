@@ -551,7 +551,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
                     CONSUMER_THREADS + (DQ_IN_STAGE ? (HALF_WRITERS ? 2 : 1) : 0));
     for (int i = 0; i < DQ_FULLS; ++i)
       mbar_init(&bar.dq_full[i], SPLIT_KEYS ? 4 : 4 * CONSUMERS);  // lane 0 of every staging warp
-    mbar_init(&bar.dq_empty, HALF_WRITERS ? 2 : 1);  // the writer(s)
+    mbar_init(&bar.dq_empty, HALF_WRITERS && !DQ_IN_STAGE ? 2 : 1);  // the writer(s)
     mbar_init(&bar.dq_first, 128);           // every thread of the first consumer
     if constexpr (SHARED_KEYS) Keys::init(sX);
     for (int w = 0; w < 8; ++w) bar.repair[w] = 0;
