@@ -202,10 +202,14 @@ sanitize_all() {
       (
         sanitize memcheck memcheck --all-buckets
         sanitize memcheck_192 memcheck --head-dim 40 --forward-tiles 192,128,2
+        sanitize memcheck_fused256 memcheck --head-dim 256 --backward fused
       ) &
       sanitize racecheck racecheck --head-dim 40 128 200 256
       sanitize synccheck synccheck --head-dim 40 128 200 256
       sanitize racecheck_192 racecheck --head-dim 40 --forward-tiles 192,128,2
+      # the fused backward under every mask it serves at d = 256 (the library takes it for
+      # causal calls from 4096 rows only: these cases are smaller)
+      sanitize racecheck_fused256 racecheck --head-dim 256 --backward fused
     fi
   fi
   if [[ $cases == softcap ]]; then
