@@ -463,7 +463,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
   // 4 B in the producer's 40 registers); so does d = 128 without a bound, where the poll ahead
   // gave the chain slack (v42).
   constexpr bool PLAIN_BOUND = BOUNDED && !F::LOCAL && !Mod::ANY;
-  constexpr bool HALF_WRITERS = HD > 128 ? !BOUNDED || ARRIVAL : HD == 128 && PLAIN_BOUND;
+  constexpr bool HALF_WRITERS = (HD > 128 && !BOUNDED) || (HD >= 128 && PLAIN_BOUND);
   // FusedTurnSlots: one set per writer where warp 2 hands the turns over
   constexpr int TURN_SETS = HALF_WRITERS && (ARRIVAL || POLL_AHEAD) ? 2 : 1;
   typedef FusedSteps<BOUNDED, F::LOCAL, BM, BN, ARRIVAL> Steps;
