@@ -159,15 +159,9 @@ PATCHES = [
         "          TRACE_AT(2, staged, 3);\n",
     ),
     ("          bulk_wait<0>();  // written\n", "", "          TRACE_AT(2, staged, 4);\n"),
-    (  # e6: the proxy fence done
-        "          if constexpr (HALF_WRITERS) red_release_add(p.dq_semaphores + tile, "
-        "1 << (16 * writer_half()));\n",
+    (  # e6: the proxy fence done; e5 the counter released
+        "          release_turn<HALF_WRITERS>(p.dq_semaphores + tile, writer_half(), turn);\n",
         "          TRACE_AT(2, staged, 6);\n",
-        "",
-    ),
-    (
-        "          else store_release(p.dq_semaphores + tile, turn + 1);\n",
-        "",
         "          TRACE_AT(2, staged, 5); TRACE_GLOBAL(2, staged, 10);\n",
     ),
     # the loader: e0 before the wait for a free stage, e1 after it

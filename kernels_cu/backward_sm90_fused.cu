@@ -319,6 +319,23 @@ __device__ __forceinline__ int writer_half() { return threadIdx.x >> 6 & 1; }
 __device__ __forceinline__ void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// A query tile's counter of additions: the whole word, or with HALVES (HALF_WRITERS) one 16-bit
+// field per half of the columns, each counting its own writer's additions.
+template <bool HALVES>
+__device__ __forceinline__ void wait_for_turn(const int* counter, int half, int turn) {
+  if constexpr (HALVES) {
+    while (((load_acquire(counter) >> (16 * half)) & 0xffff) != turn) {
+    }
+  } else {
+    while (load_acquire(counter) != turn) {
+    }
+  }
+}
+template <bool HALVES>
+__device__ __forceinline__ void release_turn(int* counter, int half, int turn) {
+  if constexpr (HALVES) red_release_add(counter, 1 << (16 * half));
+  else store_release(counter, turn + 1);
+}
 // The counters' and sums' index of query tile 0 of the first query head of item bc's group: query
 // tile t of head h of the group is tile fused_first_tile + h T + t (T: query tiles).
 __device__ __forceinline__ i64 fused_first_tile(const Params& p, const BlockCoords& bc,
@@ -622,17 +639,8 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           } else {
             turn = steps.turn(bc.block, at, mask);
           }
-          if constexpr (!POLL_AHEAD) {  // the turn first, while the consumers compute the step
-            const int* counter = p.dq_semaphores + tile;
-            if constexpr (HALF_WRITERS) {
-              const int shift = 16 * writer_half();
-              while (((load_acquire(counter) >> shift) & 0xffff) != turn) {
-              }
-            } else {
-              while (load_acquire(counter) != turn) {
-              }
-            }
-          }
+          if constexpr (!POLL_AHEAD)  // the turn first, while the consumers compute the step
+            wait_for_turn<HALF_WRITERS>(p.dq_semaphores + tile, writer_half(), turn);
           const int stage = staged % STAGES;
           if constexpr (DQ_IN_STAGE) mbar_wait(&bar.dq_full[stage], (staged / STAGES) & 1);
           else mbar_wait(&bar.dq_full[0], staged & 1);
@@ -665,8 +673,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           else mbar_arrive(&bar.dq_empty);
           bulk_wait<0>();  // written
           fence_proxy_async_global();
-          if constexpr (HALF_WRITERS) red_release_add(p.dq_semaphores + tile, 1 << (16 * writer_half()));
-          else store_release(p.dq_semaphores + tile, turn + 1);
+          release_turn<HALF_WRITERS>(p.dq_semaphores + tile, writer_half(), turn);
         }
       }
     } else if (warp == 2 && (ARRIVAL || POLL_AHEAD)) {
@@ -691,13 +698,7 @@ __global__ void __launch_bounds__((HD > 128 ? 2 : BN / 64) * 128 + 128, 1)
           if (TURN_SETS > 1 ? lane < TURN_SETS : lane == 0) {  // HALF_WRITERS: lane h, half h's
             if constexpr (POLL_AHEAD) {
               const int* counter = p.dq_semaphores + first_tile + at.head * tiles_q + at.tile;
-              if constexpr (HALF_WRITERS) {
-                while (((load_acquire(counter) >> (16 * lane)) & 0xffff) != turn) {
-                }
-              } else {
-                while (load_acquire(counter) != turn) {
-                }
-              }
+              wait_for_turn<HALF_WRITERS>(counter, lane, turn);
             }
             FusedTurnSlots& slots = turn_sets[TURN_SETS > 1 ? lane : 0];
             const int slot = staged % FUSED_TURN_SLOTS;
