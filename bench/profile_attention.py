@@ -7,7 +7,8 @@ bf16, B = 4, Hq = Hkv = 16 (the benchmark's 4k point); --causal, --window LEFT f
 --backward adds the backward to each call; --packed runs the same B sequences as one packed batch
 (attention_varlen_*); --long-tailed runs bench_varlen.py's packed batch instead (65536 tokens of
 lengths 64..8192, Hq = Hkv = 2048 / d). CUFLASH_TREE=DIR imports DIR's cuflash instead of this
-tree's.
+tree's. --sdpa cudnn|flash runs torch's SDPA on that backend instead (dense or causal only), so
+that a profiler can set a peer's kernel beside ours (ncu -k regex:'sdpa|fprop|flash').
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--long-tailed", action="store_true")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--sdpa", choices=("cudnn", "flash"), default=None)
     args = parser.parse_args()
     b, n = args.batch, args.seq
     shape = (b, n, args.heads, args.head_dim)
@@ -62,7 +64,27 @@ def main() -> None:
         q, k, v, do = (x.view(b * n, *shape[2:]) for x in (q, k, v, do))
         cu = torch.arange(0, b * n + 1, n, device="cuda", dtype=torch.int32)
         options.update(max_seqlen_q=n, max_seqlen_k=n)
-    if args.packed:
+    if args.sdpa is not None:
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_attention import sdpa_backend
+
+        if args.packed or args.window is not None or args.softcap or args.alibi:
+            parser.error("--sdpa takes dense or causal calls only")
+        qt, kt, vt = (
+            x.transpose(1, 2).contiguous().requires_grad_(args.backward) for x in (q, k, v)
+        )
+
+        def forward():
+            with sdpa_kernel(sdpa_backend(args.sdpa)):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal), None
+
+        def backward(o, lse):
+            o.backward(do.transpose(1, 2))
+
+    elif args.packed:
 
         def forward():
             return cuflash.attention_varlen_forward(q, k, v, cu, cu, **options)
