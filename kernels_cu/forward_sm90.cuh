@@ -121,14 +121,14 @@ struct Sm90ForwardBlock {
   __device__ __forceinline__ void issue_scores(const unsigned char* k_tile,
                                                float (&s)[1][Tr::NT_S][4]) const {
     constexpr int RB = Tr::ROW_BYTES, STEPS = RB / 32;
+    const TileDesc q_desc = TileDesc::of<RB>(sQ + wg * (64 * RB), 16, 8 * RB);
+    const TileDesc k_desc = TileDesc::of<RB>(k_tile, 16, 8 * RB);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_QK; ++kk) {
       const int block = kk / STEPS, within = (kk % STEPS) * 32;
-      const unsigned long long dq =
-          smem_desc<RB>(sQ + block * (BM * RB) + wg * (64 * RB) + within, 16, 8 * RB);
-      const unsigned long long dk = smem_desc<RB>(k_tile + block * (BN * RB) + within, 16, 8 * RB);
-      wgmma_ss<Elem, BN>(s[0], dq, dk, kk > 0);
+      wgmma_ss<Elem, BN>(s[0], q_desc.at(block * (BM * RB) + within),
+                         k_desc.at(block * (BN * RB) + within), kk > 0);
     }
     wgmma_commit();
   }
@@ -224,14 +224,15 @@ struct Sm90ForwardBlock {
   // rows of V_j 2048 bytes apart. 8-bit: V_j^T (HD rows, BN / 128 column blocks of 128 keys), k32
   // step kk reads 32 bytes of every row, in column block kk / 4 ...
   __device__ __forceinline__ void issue_pv(const unsigned char* v_tile, unsigned (&p)[Tr::K_PV][4]) {
+    const TileDesc v_desc = Tr::Format::V_TRANSPOSED ? TileDesc::of(v_tile, 16, 1024)
+                                                     : TileDesc::of(v_tile, BN * 128, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk) {
       if constexpr (Tr::Format::V_TRANSPOSED) {
-        const unsigned char* steps = v_tile + (kk >> 2) * (HD * 128) + (kk & 3) * 32;
-        wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(steps, 16, 1024), 1);
+        wgmma_rs<Elem, HD>(acc_o[0], p[kk], v_desc.at((kk >> 2) * (HD * 128) + (kk & 3) * 32), 1);
       } else {
-        wgmma_rs<Elem, HD>(acc_o[0], p[kk], smem_desc(v_tile + kk * 2048, BN * 128, 1024), 1);
+        wgmma_rs<Elem, HD>(acc_o[0], p[kk], v_desc.at(kk * 2048), 1);
       }
     }
     wgmma_commit();

@@ -65,6 +65,25 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
          (static_cast<unsigned long long>((sbo_bytes >> 4) & 0x3FFF) << 32) | (layout << 62);
 }
 
+// A tile's descriptor built once, then advanced by byte offsets within the tile: each k step's
+// descriptor is one add to the low word. The start address field (bits 0-13) holds the shared
+// address / 16, and shared addresses stay below 2^18, so an offset that keeps the address there
+// adds to the field with no carry out of it. (A descriptor built from a pointer at every k step
+// took an add, two masks, a shift and a move to the uniform registers for each operand: a third
+// of the d = 256 forward's instructions; docs/perf/NOTES.md, v45.)
+struct TileDesc {
+  unsigned lo, hi;
+  template <int ROW_BYTES = 128>
+  static __device__ __forceinline__ TileDesc of(const void* p, unsigned lbo_bytes, unsigned sbo_bytes) {
+    const unsigned long long d = smem_desc<ROW_BYTES>(p, lbo_bytes, sbo_bytes);
+    return {static_cast<unsigned>(d), static_cast<unsigned>(d >> 32)};
+  }
+  // The descriptor of the tile's address + `bytes` (a multiple of 16).
+  __device__ __forceinline__ unsigned long long at(int bytes) const {
+    return (static_cast<unsigned long long>(hi) << 32) | (lo + (static_cast<unsigned>(bytes) >> 4));
+  }
+};
+
 // Ordering: ordinary (and cp.async) writes to shared memory that wgmma reads next must be made
 // visible to the async proxy by each writing thread before the barrier.
 __device__ __forceinline__ void fence_proxy_async() {
