@@ -24,13 +24,11 @@ namespace cuflash {
 template <typename Elem, int HD, int A_ROWS, int N>
 __device__ __forceinline__ void wgmma_abt_head_dim(float (&c)[N / 8][4], const unsigned char* a_tile,
                                                    int a_row0, const unsigned char* b_tile) {
-  const TileDesc a_desc = TileDesc::of(a_tile + a_row0 * 128, 16, 1024);
-  const TileDesc b_desc = TileDesc::of(b_tile, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     const int block = kk >> 2, within = (kk & 3) * 32;
-    wgmma_ss<Elem, N>(c, a_desc.at(block * (A_ROWS * 128) + within),
-                      b_desc.at(block * (N * 128) + within), kk > 0);
+    wgmma_ss<Elem, N>(c, smem_desc(a_tile + block * (A_ROWS * 128) + a_row0 * 128 + within, 16, 1024),
+                      smem_desc(b_tile + block * (N * 128) + within, 16, 1024), kk > 0);
   }
 }
 
@@ -39,9 +37,9 @@ __device__ __forceinline__ void wgmma_abt_head_dim(float (&c)[N / 8][4], const u
 template <typename Elem, int HD, int K_ROWS>
 __device__ __forceinline__ void wgmma_pb(float (&c)[HD / 8][4], const unsigned (&p)[K_ROWS / 16][4],
                                          const unsigned char* b_tile) {
-  const TileDesc b_desc = TileDesc::of(b_tile, K_ROWS * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < K_ROWS / 16; ++kk) wgmma_rs<Elem, HD>(c, p[kk], b_desc.at(kk * 2048), 1);
+  for (int kk = 0; kk < K_ROWS / 16; ++kk)
+    wgmma_rs<Elem, HD>(c, p[kk], smem_desc(b_tile + kk * 2048, K_ROWS * 128, 1024), 1);
 }
 
 // Keeps A fragments alive (unmodified) until the wgmma that reads them has been waited for.

@@ -413,12 +413,13 @@ __device__ __forceinline__ void repair_fused_dkdv(const Params& p, const WorkWal
 template <typename Elem, int N, int BN, int K16_STEPS>
 __device__ __forceinline__ void issue_dq_part(float (&acc)[N / 8][4], const unsigned char* ds_rows,
                                               const unsigned char* k_cols, int k16_first) {
-  const TileDesc ds_desc = TileDesc::of(ds_rows + k16_first * 2048, BN * 128, 1024);
-  const TileDesc k_desc = TileDesc::of(k_cols + k16_first * 2048, BN * 128, 1024);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < K16_STEPS; ++kk)
-    wgmma_ss_tt<Elem, N>(acc, ds_desc.at(kk * 2048), k_desc.at(kk * 2048), kk > 0);
+  for (int kk = 0; kk < K16_STEPS; ++kk) {
+    const int k16 = k16_first + kk;
+    wgmma_ss_tt<Elem, N>(acc, smem_desc(ds_rows + k16 * 2048, BN * 128, 1024),
+                         smem_desc(k_cols + k16 * 2048, BN * 128, 1024), kk > 0);
+  }
   wgmma_commit();
 }
 
