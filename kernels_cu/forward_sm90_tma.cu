@@ -306,7 +306,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   blk.sV = sV;
   blk.lane = lane;
   blk.warp_row0 = (warp - 4) * 16;  // this warp's rows within the block
-  blk.wg = (warp - 4) >> 2;
+  // At d = 256 broadcast from lane 0, so that ptxas sees the warpgroup as warp-uniform (it is)
+  // and keeps Q's descriptors in uniform registers: +2-5% there; at d <= 128 the broadcast read
+  // -1 to -3% from 4k (docs/perf/NOTES.md v45), so those keep the plain index.
+  const int wg = (warp - 4) >> 2;
+  blk.wg = HD > 128 ? __shfl_sync(0xffffffffu, wg, 0) : wg;
   const float scale_log2 = static_cast<float>(p.scale) * 1.4426950408889634f;
   blk.scale_log2 = scale_log2;
   const typename Tr::Turns turns{blk.wg};
