@@ -5,10 +5,10 @@ package."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+import repo_tools
 
 import cuflash
 from cuflash import _kernels, compile_check
@@ -223,9 +223,6 @@ def test_runtime_options_are_what_the_runtime_passes_and_cupy_adds():
 
 def test_generated_wgmma_specialisations_are_current():
     # kernels_cu/wgmma.cuh holds what tools/gen_wgmma.py writes between its markers
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("gen_wgmma", root / "tools" / "gen_wgmma.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    text = (root / "kernels_cu" / "wgmma.cuh").read_text()
+    gen = repo_tools.load_tool("gen_wgmma")
+    text = (repo_tools.ROOT / "kernels_cu" / "wgmma.cuh").read_text()
     assert gen.BEGIN + "\n" + gen.generated() + gen.END + "\n" in text

@@ -4,22 +4,13 @@ whole tool on this checkout where nvcc and git are at hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+import repo_tools
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("ptx_diff", ROOT / "tools" / "ptx_diff.py")
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["ptx_diff"] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
-    return tool
 
 
 MODULE = """
@@ -62,7 +53,7 @@ def module(index: int, depot: int) -> str:
 
 
 def test_an_entry_carries_what_it_names_and_not_its_index_in_the_module():
-    tool = load_tool()
+    tool = repo_tools.load_tool("ptx_diff")
     a = tool.mangled_entries(module(0, 0))
     assert set(a) == {"_Z5firstv", "_Z6secondv"}
     # the same code as the module's third function: another label and depot number only
@@ -80,7 +71,7 @@ def test_an_entry_carries_what_it_names_and_not_its_index_in_the_module():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 def test_the_tool_finds_the_one_kernel_an_edit_changes(tmp_path):
-    tool = load_tool()
+    tool = repo_tools.load_tool("ptx_diff")
     tree = tmp_path / "tree"  # a copy of the checkout, edited below
     for folder in ("cuflash", "kernels_cu"):
         shutil.copytree(ROOT / folder, tree / folder)

@@ -4,24 +4,10 @@ builds had made S = Q K^T issue-bound)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+import repo_tools
 
 from cuflash import _kernels, compile_check
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("wgmma_issue", ROOT / "tools" / "wgmma_issue.py")
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["wgmma_issue"] = tool  # its dataclass looks its module up
-    spec.loader.exec_module(tool)
-    return tool
-
 
 LISTING = """
         /*0b20*/                   HGMMA.64x80x16.F32.BF16 R152, gdesc[UR8], RZ, !UPT ;
@@ -39,7 +25,7 @@ LISTING = """
 
 
 def test_gaps_count_what_lies_between_two_steps_of_one_product():
-    tool = load_tool()
+    tool = repo_tools.load_tool("wgmma_issue")
     listing = tool.instructions(LISTING)
     assert len(listing) == 11 and listing[-2].startswith("@!P0 HGMMA.64x256x16")
     found = tool.gaps(listing)
@@ -53,7 +39,7 @@ def test_gaps_count_what_lies_between_two_steps_of_one_product():
 
 
 def test_an_instance_is_named_once():
-    tool = load_tool()
+    tool = repo_tools.load_tool("wgmma_issue")
     spec = tool.spec_of("attention_forward_tma<cuflash::bf16, 256, 128, 80, 2, 0, 2, 0>", None)
     assert spec.source == "forward_sm90_tma.cu" and spec.head_dim == 256
     with pytest.raises(ValueError, match="name: expected one instance"):
@@ -61,7 +47,7 @@ def test_an_instance_is_named_once():
 
 
 def test_the_tma_forward_builds_no_descriptor_between_k_steps():
-    tool = load_tool()
+    tool = repo_tools.load_tool("wgmma_issue")
     if compile_check.find_nvcc() is None or tool.find_nvdisasm() is None:
         pytest.skip("nvcc or nvdisasm not found (nvdisasm: pip install nvidia-cuda-nvdisasm)")
     specs = [
