@@ -129,24 +129,29 @@ def parse_ptxas(output: str) -> list[KernelReport]:
     return reports
 
 
+def cubin_command(nvcc: str, unit: Path, cubin: Path, arch: str, *extra: str) -> list[str]:
+    """nvcc's command that builds `unit` (a translation_unit) into `cubin` for `arch`; `extra`:
+    more options (-Xptxas -v for the resource report)."""
+    return [
+        nvcc,
+        "-std=c++17",
+        _kernels.FLUSH_DENORMALS,  # as the runtime; nvcc's front end differs all the same
+        "-cubin",
+        _gencode(arch),
+        *extra,
+        "-o",
+        str(cubin),
+        str(unit),
+    ]
+
+
 def compile_unit(nvcc: str, source: str, arch: str, specs: list[_kernels.KernelSpec]) -> UnitResult:
     import time
 
     with tempfile.TemporaryDirectory(prefix="cuflash-cc-") as tmp:
         cu = Path(tmp) / f"{Path(source).stem}_{arch}.cu"
         cu.write_text(translation_unit(source, specs))
-        cmd = [
-            nvcc,
-            "-std=c++17",
-            _kernels.FLUSH_DENORMALS,  # as the runtime; nvcc's front end differs all the same
-            "-cubin",
-            _gencode(arch),
-            "-Xptxas",
-            "-v",
-            "-o",
-            str(cu.with_suffix(".cubin")),
-            str(cu),
-        ]
+        cmd = cubin_command(nvcc, cu, cu.with_suffix(".cubin"), arch, "-Xptxas", "-v")
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         seconds = time.perf_counter() - start

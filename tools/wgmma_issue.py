@@ -116,8 +116,8 @@ def disassemble(spec: _kernels.KernelSpec, arch: str = "sm_90a") -> str:
         unit = Path(tmp) / "unit.cu"
         unit.write_text(compile_check.translation_unit(spec.source, [spec]))
         cubin = unit.with_suffix(".cubin")
-        cmd = [nvcc, "-std=c++17", _kernels.FLUSH_DENORMALS, "-cubin", compile_check._gencode(arch)]
-        subprocess.run([*cmd, "-o", str(cubin), str(unit)], check=True, capture_output=True)
+        cmd = compile_check.cubin_command(nvcc, unit, cubin, arch)
+        subprocess.run(cmd, check=True, capture_output=True)
         return subprocess.run(
             [nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True
         ).stdout
