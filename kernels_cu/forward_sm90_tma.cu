@@ -318,9 +318,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // The thread that issues this warpgroup's O stores (STAGE_O)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
   int pipe = 0, round = 0;
+  // UNDER_PV: the pipelined loop of two consumers, two Q buffers and key tiles of up to 128 keys
+  // (d = 64 under 2k rows, d = 128 under 4k, and the feature sets that keep those tiles) finishes its rows, writes lse and takes the next item and its
+  // Q while its last P V is in flight (below); the others do so after the loop and at the top of
+  // the next item.
+  constexpr bool UNDER_PV = Tr::OVERLAP && Q_BUFS > 1 && BN <= 128 && Tr::CONSUMERS == 2;
+  int qb = UNDER_PV ? acquire_to_read(bar.q_full, round) : 0;
   for (;;) {
     // The next item and its Q (the producer posted the item with it; empty slots never come)
-    const int qb = acquire_to_read(bar.q_full, round);
+    if constexpr (!UNDER_PV) qb = acquire_to_read(bar.q_full, round);
     if (bar.item[qb].last) break;
     const WorkItem<PACKED> work = bar.item[qb].work;
     const BlockCoords bc = work.c;
@@ -413,6 +419,25 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
       blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
     };
+    // UNDER_PV: the rows' o_factor / l and lse (the running max and sum are final once the last
+    // P is), lse written and the next item's Q taken while the last P V is in flight. At 1k rows
+    // an item's fixed costs are ~15% of it, the two warpgroups' epilogues fall together and the
+    // tensor cores idle through them (bench/trace_forward.py): 1.02-1.04x at d = 64 and 128, 1k
+    // (docs/perf/NOTES.md v46). Elsewhere it measured 0.97-1.01x (160-key tiles, d = 256, three
+    // consumers) and those instances keep the epilogue after the loop (finalize).
+    float inv_rows[1][2], lse_rows[1][2];
+    auto finish_rows = [&]() {
+      blk.softmax.finish_rows(blk.scale_log2, inv_rows, lse_rows, o_factor);
+      float* lse_head = seq.template q_head<float>(p.lse, bc.head);
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // rows outside [0, Nq) skipped (row_shift above)
+          const int row = blk.m0 + blk.warp_row0 + (lane >> 2) + 8 * r;
+          if (row >= 0 && row < seq.nq(p)) lse_head[row * p.lse.seq] = lse_rows[0][r];
+        }
+      }
+    };
+    int next_qb = -1;  // UNDER_PV: the next item's Q buffer, once taken
     if (count == 0) mbar_arrive(&bar.q_empty[qb]);
     if constexpr (Tr::OVERLAP) {
       if (count > 0) {
@@ -436,6 +461,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
       if (count > 0) {
         issue_pv(count - 1);
+        if constexpr (UNDER_PV) {
+          finish_rows();
+          next_qb = acquire_to_read(bar.q_full, round);
+        }
         wgmma_wait<0>();
         pv_done(count - 1);
       }
@@ -453,9 +482,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     pipe += count;
 
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
-    // from registers) and lse.
-    float lse_rows[1][2];
-    blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows, o_factor);
+    // from registers) and lse (UNDER_PV wrote it above).
+    if constexpr (UNDER_PV) {
+      if (count == 0) finish_rows();
+      blk.softmax.rescale(blk.acc_o, inv_rows);
+    } else {
+      blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows, o_factor);
+    }
     unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
     float* lse_head = seq.template q_head<float>(p.lse, bc.head);
     // Rows outside [0, Nq) are skipped: past the last, or before the first (row_shift above).
@@ -491,7 +524,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     if (!staged)
       store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
                                                          p.head_dim, blk.acc_o[0], 1.f, lane);
-    if ((lane & 3) == 0) {
+    if (!UNDER_PV && (lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + (lane >> 2) + 8 * r;
@@ -508,6 +541,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           seq.template k_rows<In>(p.v, kv_head), row0, Tr::Mask::of(p, seq.ext), blk.mod,
           p.head_dim, lane, o_factor);
     }
+    if constexpr (UNDER_PV) qb = next_qb >= 0 ? next_qb : acquire_to_read(bar.q_full, round);
   }
   turns.finish();
   if (o_issuer) bulk_wait<0>();  // the last stores have completed before the block exits

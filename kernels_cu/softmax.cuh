@@ -324,20 +324,38 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
     }
   }
 
-  // O = o_factor acc / l and lse = m * scale + ln(l); a row that saw no key (l = 0) gives O = 0,
-  // lse = -inf. (o_factor: the FP8 forward's descale factor of v.)
+  // Row r of m-tile mt's o_factor / l and lse = m * scale + ln(l) (a row that saw no key, l = 0:
+  // 0 and -inf), from the running max and sum alone. (o_factor: the FP8 forward's descale factor
+  // of v.)
+  __device__ __forceinline__ void finish_row(int mt, int r, float scale_log2, float o_factor,
+                                             float& inv, float& lse) const {
+    const float ln2 = 0.6931471805599453f;
+    const float l = quad_sum(row_sum[mt][r]);
+    const bool empty = (l == 0.f);
+    inv = empty ? 0.f : o_factor / l;
+    lse = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
+  }
+
+  // Every row's (finish_row), so that the Hopper forward's pipelined loops compute them while
+  // their last P V is in flight and scale the accumulator by them afterwards (rescale).
+  __device__ __forceinline__ void finish_rows(float scale_log2, float (&inv)[MT][2],
+                                              float (&lse)[MT][2], float o_factor = 1.f) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) finish_row(mt, r, scale_log2, o_factor, inv[mt][r], lse[mt][r]);
+  }
+
+  // O = o_factor acc / l and lse, row by row.
   template <int NT_O>
   __device__ __forceinline__ void finalize(float (&acc)[MT][NT_O][4], float scale_log2,
                                            float (&lse)[MT][2], float o_factor = 1.f) {
-    const float ln2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[mt][r]);
-        const bool empty = (l == 0.f);
-        const float inv = empty ? 0.f : o_factor / l;
-        lse[mt][r] = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
+        float inv;
+        finish_row(mt, r, scale_log2, o_factor, inv, lse[mt][r]);
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
           acc[mt][nt][2 * r] *= inv;
