@@ -19,40 +19,21 @@ d = 64's 2k rows down and d = 128 / 256); the serial loop's phases are not stamp
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_kvcache import variant  # noqa: E402
-from trace_decode import trace_array  # noqa: E402
+from trace_patch import prelude, quantile, traced_call  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _kernels  # noqa: E402
 
 TRACE_BLOCKS, TRACE_ITEMS, SLOTS = 32, 48, 24
 ROLES = ("consumer 0", "consumer 1", "consumer 2", "producer")
-TRACE = f"""
-__device__ unsigned long long forward_trace[{TRACE_BLOCKS} * 4 * {TRACE_ITEMS} * {SLOTS}];
-__device__ __forceinline__ unsigned long long trace_global() {{
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}}
-__device__ __forceinline__ unsigned long long* trace_slot(int role, int index) {{
-  if (blockIdx.x >= {TRACE_BLOCKS} || index >= {TRACE_ITEMS}) return nullptr;
-  return forward_trace + ((blockIdx.x * 4 + role) * {TRACE_ITEMS} + index) * {SLOTS};
-}}
-#define TRACE_AT(role, index, e) \\
-  do {{ unsigned long long* t_ = trace_slot(role, index); if (t_) t_[e] = clock64(); }} while (0)
-#define TRACE_VALUE(role, index, e, v) \\
-  do {{ unsigned long long* t_ = trace_slot(role, index); if (t_) t_[e] = (v); }} while (0)
-"""
+TRACE = prelude("forward_trace", TRACE_BLOCKS, TRACE_ITEMS, SLOTS)
 C = "if (tr_on) "  # thread 0 of each consumer warpgroup, role blk.wg, index tr_i
 CT = "tr_t = clock64();"  # the loop's phases: tr_t the phase's start, tr_sum[k] += its cycles
 
@@ -63,7 +44,8 @@ def lap(k: int) -> str:
     )
 
 
-# (anchor in forward_sm90_tma.cu, text before it, text after it). Consumer events: e0 the item's
+SOURCE = "forward_sm90_tma.cu"
+# (anchor in SOURCE, text before it, text after it). Consumer events: e0 the item's
 # start, e1 the item read, e2 set up (before the first turn), e3 the turn taken, e4 S_0 issued
 # (K_0 waited), e5 S_0 waited, e6 P_0 ready, e7 the loop done, e8 the last P V waited (lse
 # written and the next Q taken under it: UNDER_PV), e9 O normalised (UNDER_PV instances only),
@@ -87,19 +69,6 @@ PATCHES = [
     (
         "    if (count == 0) mbar_arrive(&bar.q_empty[qb]);\n",
         f"    {C}{{ TRACE_AT(blk.wg, tr_i, 2); TRACE_VALUE(blk.wg, tr_i, 17, count); }}\n",
-        "",
-    ),
-    (
-        "        turns.begin();\n        issue_scores(0);\n        turns.end();\n"
-        "        wgmma_wait<0>();\n        probabilities(0);\n        blk.to_a_fragments(s, pf);\n",
-        "",
-        "",
-    ),
-    (
-        "        turns.begin();\n        issue_scores(it);\n        issue_pv(it - 1);\n"
-        "        turns.end();\n        wgmma_wait<1>();  // S_it\n        probabilities(it);\n"
-        "        wgmma_wait<0>();  // P_{it-1} V_{it-1}\n",
-        "",
         "",
     ),
     (
@@ -157,7 +126,7 @@ PATCHES = [
         "",
     ),
 ]
-# The stamped replacements of the two blocks whose PATCHES entry has empty texts (patched_kernels)
+# The first key tile and the loop's, stamped (REPLACEMENTS)
 FIRST_TILE = (
     f"        turns.begin();\n        {C}TRACE_AT(blk.wg, tr_i, 3);\n"
     f"        issue_scores(0);\n        turns.end();\n        {C}TRACE_AT(blk.wg, tr_i, 4);\n"
@@ -173,6 +142,19 @@ LOOP_TILE = (
     f"        probabilities(it);\n        {lap(3)}\n"
     f"        wgmma_wait<0>();  // P_{{it-1}} V_{{it-1}}\n        {lap(4)}\n"
 )
+REPLACEMENTS = [
+    (
+        "        turns.begin();\n        issue_scores(0);\n        turns.end();\n"
+        "        wgmma_wait<0>();\n        probabilities(0);\n        blk.to_a_fragments(s, pf);\n",
+        FIRST_TILE,
+    ),
+    (
+        "        turns.begin();\n        issue_scores(it);\n        issue_pv(it - 1);\n"
+        "        turns.end();\n        wgmma_wait<1>();  // S_it\n        probabilities(it);\n"
+        "        wgmma_wait<0>();  // P_{it-1} V_{it-1}\n",
+        LOOP_TILE,
+    ),
+]
 
 # (role, label, from event, to event); "next" = the next item's e0
 PHASES = [
@@ -191,26 +173,6 @@ PHASES = [
     ("item", 0, "next"),
 ]
 LOOP_PARTS = ("turn's wait", "S, P V issued (K, V waits)", "S waited", "softmax", "P V waited")
-
-
-def patched_kernels(root: Path) -> Path:
-    src = _kernels.kernel_dir()
-    dst = root / "kernels_cu"
-    shutil.copytree(src, dst)
-    text = (dst / "forward_sm90_tma.cu").read_text()
-    for anchor, before, after in PATCHES:
-        assert text.count(anchor) == 1, f"anchor not found once: {anchor!r}"
-        if not before and not after:  # a block replaced by its stamped form
-            text = text.replace(anchor, FIRST_TILE if "issue_scores(0)" in anchor else LOOP_TILE)
-        else:
-            text = text.replace(anchor, before + anchor + after)
-    (dst / "forward_sm90_tma.cu").write_text(text)
-    return dst
-
-
-def quantile(xs: list[float], f: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(f * len(xs)))]
 
 
 def report(raw: list[int]) -> None:
@@ -295,20 +257,18 @@ def main() -> int:
     h = 2048 // d
     dtype = getattr(torch, args.dtype)
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3))
-    with tempfile.TemporaryDirectory() as tmp, variant(kernels=str(patched_kernels(Path(tmp)))):
-        for _ in range(3):  # compiles, warms up
-            cuflash.attention_forward(q, k, v, causal=args.causal)
-        torch.cuda.synchronize()
-        count = TRACE_BLOCKS * 4 * TRACE_ITEMS * SLOTS
-        trace = trace_array("attention_forward_tma", "forward_trace", count)
-        if trace is None:
-            print("no TMA forward module was loaded")
-            return 1
-        trace.fill(0)
-        torch.cuda.synchronize()
-        cuflash.attention_forward(q, k, v, causal=args.causal)
-        torch.cuda.synchronize()
-        raw = [int(x) for x in trace.get()]
+    raw = traced_call(
+        lambda: cuflash.attention_forward(q, k, v, causal=args.causal),
+        SOURCE,
+        PATCHES,
+        "attention_forward_tma",
+        "forward_trace",
+        TRACE_BLOCKS * 4 * TRACE_ITEMS * SLOTS,
+        replacements=REPLACEMENTS,
+    )
+    if raw is None:
+        print("no TMA forward module was loaded")
+        return 1
     print(f"{args.dtype} d={d} B={b} N={n} H={h} causal={args.causal}")
     report(raw)
     return 0

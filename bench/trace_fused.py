@@ -19,48 +19,34 @@ stamps at the locked clock (ncu replays nothing for one metric: the array holds 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_kvcache import variant  # noqa: E402
-from trace_decode import trace_array  # noqa: E402
+from trace_patch import prelude, quantile, traced_call  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _kernels, testing  # noqa: E402
+from cuflash import testing  # noqa: E402
 from cuflash._dispatch import KernelChoice  # noqa: E402
 
 TRACE_BLOCKS, TRACE_STEPS, SLOTS = 64, 160, 16
 ROLES = ("consumer 0", "consumer 1", "writer", "loader")
-TRACE = f"""
-__device__ unsigned long long fused_trace[{TRACE_BLOCKS} * 4 * {TRACE_STEPS} * {SLOTS}];
-__device__ __forceinline__ unsigned long long trace_global() {{
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}}
-__device__ __forceinline__ unsigned long long* trace_slot(int role, int index) {{
-  if (blockIdx.x >= {TRACE_BLOCKS} || index >= {TRACE_STEPS}) return nullptr;
-  if (role == 2 && (threadIdx.x >> 5) == 3) return nullptr;  // HALF_WRITERS: the first half's
-  return fused_trace + ((blockIdx.x * 4 + role) * {TRACE_STEPS} + index) * {SLOTS};
-}}
-#define TRACE_AT(role, index, e) \\
-  do {{ unsigned long long* t_ = trace_slot(role, index); if (t_) t_[e] = clock64(); }} while (0)
-#define TRACE_GLOBAL(role, index, e) \\
-  do {{ unsigned long long* t_ = trace_slot(role, index); \\
-        if (t_) t_[e] = trace_global(); }} while (0)
-#define TRACE_VALUE(role, index, e, v) \\
-  do {{ unsigned long long* t_ = trace_slot(role, index); if (t_) t_[e] = (v); }} while (0)
-"""
+TRACE = prelude(
+    "fused_trace",
+    TRACE_BLOCKS,
+    TRACE_STEPS,
+    SLOTS,
+    skip="  if (role == 2 && (threadIdx.x >> 5) == 3) return nullptr;  // HALF_WRITERS: the first "
+    "half's\n",
+)
 C = "if (tid == 0) "  # the consumers: thread 0 of each warpgroup, role wg
 
-# (anchor in backward_sm90_fused.cu, text before it, text after it)
+SOURCE = "backward_sm90_fused.cu"
+# (anchor in SOURCE, text before it, text after it)
 PATCHES = [
     ('#include "tma.cuh"\n', "", TRACE),
     # consumers (the non-DQ_IN_STAGE path): e0 before the stage wait .. e7 after dV and dK
@@ -218,23 +204,6 @@ PRODUCER_PHASES = [
 ]
 
 
-def patched_kernels(root: Path) -> Path:
-    src = _kernels.kernel_dir()
-    dst = root / "kernels_cu"
-    shutil.copytree(src, dst)
-    text = (dst / "backward_sm90_fused.cu").read_text()
-    for anchor, before, after in PATCHES:
-        assert text.count(anchor) == 1, f"anchor not found once: {anchor!r}"
-        text = text.replace(anchor, before + anchor + after)
-    (dst / "backward_sm90_fused.cu").write_text(text)
-    return dst
-
-
-def quantile(xs: list[float], f: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(f * len(xs)))]
-
-
 def report(raw: list[int], head_dim: int) -> None:
     def slot(b: int, role: int, s: int) -> list[int]:
         i = ((b * 4 + role) * TRACE_STEPS + s) * SLOTS
@@ -306,20 +275,17 @@ def main() -> int:
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     o, lse = cuflash.attention_forward(q, k, v, causal=args.causal)
     choice = KernelChoice(backward="fused")
-    with tempfile.TemporaryDirectory() as tmp, variant(kernels=str(patched_kernels(Path(tmp)))):
-        for _ in range(3):  # compiles, warms up
-            testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=args.causal)
-        torch.cuda.synchronize()
-        count = TRACE_BLOCKS * 4 * TRACE_STEPS * SLOTS
-        trace = trace_array("attention_backward_fused_tma", "fused_trace", count)
-        if trace is None:
-            print("no fused backward module was loaded")
-            return 1
-        trace.fill(0)
-        torch.cuda.synchronize()
-        testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=args.causal)
-        torch.cuda.synchronize()
-        raw = [int(x) for x in trace.get()]
+    raw = traced_call(
+        lambda: testing.attention_backward_with(choice, do, q, k, v, o, lse, causal=args.causal),
+        SOURCE,
+        PATCHES,
+        "attention_backward_fused_tma",
+        "fused_trace",
+        TRACE_BLOCKS * 4 * TRACE_STEPS * SLOTS,
+    )
+    if raw is None:
+        print("no fused backward module was loaded")
+        return 1
     print(f"bf16 d={d} B={b} N={n} H={h} causal={args.causal}")
     report(raw, d)
     return 0
