@@ -356,11 +356,7 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
       for (int r = 0; r < 2; ++r) {
         float inv;
         finish_row(mt, r, scale_log2, o_factor, inv, lse[mt][r]);
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          acc[mt][nt][2 * r] *= inv;
-          acc[mt][nt][2 * r + 1] *= inv;
-        }
+        rescale_row(acc, mt, r, inv);
       }
     }
   }
