@@ -10,10 +10,10 @@ each phase over items 1.. of every traced block, the SM clock the stamps imply, 
 cycles beyond its key tiles' (the loop's cycles per tile times the item's tiles): the fixed
 cost of an item that the 1k points pay eight times as often per key as the 4k ones.
 
-    python bench/trace_forward.py [--head-dim 64] [--seq 1024] [--causal] [--dtype bfloat16]
+    python bench/trace_forward.py [--head-dim 128] [--seq 1024] [--causal] [--dtype bfloat16]
 
-The pipelined loops only (SCHEDULE_OVERLAP and SCHEDULE_TURNS: every 16-bit table tile from
-d = 64's 2k rows down and d = 128 / 256); the serial loop's phases are not stamped.
+The pipelined loops only (SCHEDULE_OVERLAP and SCHEDULE_TURNS: every 16-bit table tile below
+d = 64's 1k rows and d = 128 / 256); the serial loop's phases are not stamped.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def report(raw: list[int]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))

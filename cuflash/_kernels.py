@@ -242,7 +242,9 @@ FUSED_WITHOUT = {
 # Calls of at least `rows` query rows with one of `feature sets` take `tiles` where those are
 # faster than the table's (docs/perf/NOTES.md, v7-v8; v26): {(family, bucket): (rows, tiles,
 # feature sets)}; the other feature sets keep the table's tiles at every length.
-# - d = 64: taller query tiles from 2048 rows; all but packed with ALiBi (three consumer
+# - d = 64: taller query tiles from 1024 rows (H200, bf16, v47: 1.02 / 1.07 / 1.01x the 128-row
+#   tiles with turns at 1k, dense / softcap / causal, 1.14 / 1.20 / 1.07x at 1536; at 512 1.03 /
+#   1.08 / 0.95x; v18 on the H100 had them even at 1k); all but packed with ALiBi (three consumer
 #   warpgroups spilled 8 B with ALiBi, 24-28 B with ALiBi and a window).
 # - d = 128: longer key tiles from 4096 rows (fewer per-tile costs per key; FlashAttention-3 takes
 #   176); O then goes from registers (no room for the staging tile: o_staging_fits).
@@ -257,7 +259,7 @@ FUSED_WITHOUT = {
 # 16 B).
 _TMA_TILES_FOR = {
     ("forward", 64): (
-        2048,
+        1024,
         (192, 128, 2),
         frozenset(f for f in FEATURE_SETS if f & FEATURE_PACKED == 0 or f & FEATURE_ALIBI == 0),
     ),

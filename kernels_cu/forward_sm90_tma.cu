@@ -319,7 +319,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   const bool o_issuer = Tr::STAGE_O && (threadIdx.x & 127) == 0;
   int pipe = 0, round = 0;
   // UNDER_PV: the pipelined loop of two consumers, two Q buffers and key tiles of up to 128 keys
-  // (d = 64 under 2k rows, d = 128 under 4k, and the feature sets that keep those tiles) finishes
+  // (d = 64 under 1k rows, d = 128 under 4k, and the feature sets that keep those tiles) finishes
   // its rows, writes lse and takes the next item and its Q while its last P V is in flight
   // (below); the others do so after the loop and at the top of the next item. Not with every
   // modifier on packed sequences (d = 128's spilled 24-32 B under NVRTC).

@@ -100,9 +100,9 @@ def test_tma_instances():
                     split = family == "dkdv" and bucket == 256
                     consumers = 2 if split else spec.rows_per_block // 64
                     assert spec.threads == (consumers + 1) * 128, spec
-    # long sequences at d = 64 take taller query tiles in the forward, from 2048 rows
-    assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2047) == (128, 128, 2)
-    long_tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, 2048)
+    # long sequences at d = 64 take taller query tiles in the forward, from 1024 rows
+    assert _kernels.default_tiles("forward", "tma", "bfloat16", 64, 1023) == (128, 128, 2)
+    long_tiles = _kernels.default_tiles("forward", "tma", "bfloat16", 64, 1024)
     assert long_tiles == (192, 128, 2)
     # ... but not under a window of at most 512 keys a row
     local = _kernels.FEATURE_LOCAL

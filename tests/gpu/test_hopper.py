@@ -67,14 +67,20 @@ def test_aligned_calls_take_the_tma_kernels_and_unaligned_ones_do_not(head_dim, 
 
 @pytest.mark.parametrize(
     "seq_q,seq_k,causal",
-    [(2300, 2300, False), (4100, 4100, True), (2100, 700, True), (2000, 2000, True)],
+    [
+        (2300, 2300, False),
+        (4100, 4100, True),
+        (2100, 700, True),
+        (1100, 1100, True),
+        (1000, 1000, False),
+    ],
 )
 def test_long_sequence_tiles(seq_q, seq_k, causal):
-    # d = 64 forward: 192-row query tiles from 2048 rows, causal or not (cuflash/_kernels.py)
+    # d = 64 forward: 192-row query tiles from 1024 rows, causal or not (cuflash/_kernels.py)
     case = Case(1, 1, 2, seq_q, seq_k, 64, "float16", "bshd", causal, None, "contiguous", 9)
     check_case(case, "long tiles")
     fwd, _ = plans_of(case)
-    assert fwd.runs.aligned.launch.spec.rows_per_block == (192 if seq_q >= 2048 else 128)
+    assert fwd.runs.aligned.launch.spec.rows_per_block == (192 if seq_q >= 1024 else 128)
 
 
 @pytest.mark.parametrize(
