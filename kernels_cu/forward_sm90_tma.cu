@@ -112,6 +112,13 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   // BN = 128 that spilled 16-160 bytes, and the host asks for SCHEDULE_SERIAL there.
   static constexpr bool OVERLAP = SCHEDULE != SCHEDULE_SERIAL;
   static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
+  // The rows' 1 / l and log2(l) by the MUFU (softmax.cuh, finish_row<FAST>) and, in the pipelined
+  // loops, under the last P V (FINISH_UNDER_PV in the kernel): d = 128's 160-key tiles (16-bit, no
+  // softcap), where that ran 1.02x at 4k and 1.005-1.013x at 16k (H200, bf16, dense and causal);
+  // the 128-key tiles at 1k lost 1.4% with it, and the softcap 3% at 4k in v46. Every loop of an
+  // instance finishes its rows alike (the schedules give the same bits).
+  static constexpr bool FAST_FINISH = HD == 128 && BN > 128 &&
+      Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::SOFTCAP;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
   // One TMA box per column block of a Q or K tile (ROW_BYTES = 128 bytes, or 64 for e4m3 at
   // d = 64; BOX_COLS elements wide), and of V's (16-bit) or of V^T's, whose blocks hold 128 keys
@@ -326,6 +333,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   typedef Features<FEATURES> F;
   constexpr bool UNDER_PV = Tr::OVERLAP && Q_BUFS > 1 && BN <= 128 && Tr::CONSUMERS == 2 &&
                             !(F::PACKED && F::LOCAL && F::SOFTCAP && F::ALIBI);
+  // FINISH_UNDER_PV: the rows finished and lse written under the last P V, as UNDER_PV does but
+  // without its early Q: UNDER_PV's instances and the pipelined ones with FAST_FINISH.
+  constexpr bool FINISH_UNDER_PV = UNDER_PV || (Tr::FAST_FINISH && Tr::OVERLAP);
   int qb = UNDER_PV ? acquire_to_read(bar.q_full, round) : 0;
   for (;;) {
     // The next item and its Q (the producer posted the item with it; empty slots never come)
@@ -426,11 +436,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     // P is), lse written and the next item's Q taken while the last P V is in flight. At 1k rows
     // an item's fixed costs are ~15% of it, the two warpgroups' epilogues fall together and the
     // tensor cores idle through them (bench/trace_forward.py): 1.02-1.04x at d = 64 and 128, 1k
-    // (docs/perf/NOTES.md v46). Elsewhere it measured 0.97-1.01x (160-key tiles, d = 256, three
-    // consumers) and those instances keep the epilogue after the loop (finalize).
+    // (docs/perf/NOTES.md v46). Elsewhere the exact finish measured 0.97-1.01x (160-key tiles,
+    // d = 256, three consumers) and those instances keep the epilogue after the loop (finalize),
+    // but for d = 128's 160-key tiles with FAST_FINISH (FINISH_UNDER_PV, v47).
     float inv_rows[1][2], lse_rows[1][2];
     auto finish_rows = [&]() {
-      blk.softmax.finish_rows(blk.scale_log2, inv_rows, lse_rows, o_factor);
+      blk.softmax.template finish_rows<Tr::FAST_FINISH>(blk.scale_log2, inv_rows, lse_rows,
+                                                        o_factor);
       float* lse_head = seq.template q_head<float>(p.lse, bc.head);
       if ((lane & 3) == 0) {
 #pragma unroll
@@ -464,10 +476,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
       if (count > 0) {
         issue_pv(count - 1);
-        if constexpr (UNDER_PV) {
-          finish_rows();
-          next_qb = acquire_to_read(bar.q_full, round);
-        }
+        if constexpr (FINISH_UNDER_PV) finish_rows();
+        if constexpr (UNDER_PV) next_qb = acquire_to_read(bar.q_full, round);
         wgmma_wait<0>();
         pv_done(count - 1);
       }
@@ -485,12 +495,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     pipe += count;
 
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
-    // from registers) and lse (UNDER_PV wrote it above).
-    if constexpr (UNDER_PV) {
+    // from registers) and lse (FINISH_UNDER_PV wrote it above).
+    if constexpr (FINISH_UNDER_PV) {
       if (count == 0) finish_rows();
       blk.softmax.rescale(blk.acc_o, inv_rows);
     } else {
-      blk.softmax.finalize(blk.acc_o, blk.scale_log2, lse_rows, o_factor);
+      blk.softmax.template finalize<Tr::FAST_FINISH>(blk.acc_o, blk.scale_log2, lse_rows,
+                                                     o_factor);
     }
     unsigned short* o_head = seq.template q_head<unsigned short>(p.o, bc.head);
     float* lse_head = seq.template q_head<float>(p.lse, bc.head);
@@ -527,7 +538,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     if (!staged)
       store_accumulator_rows<typename Tr::Out, Tr::NT_O>(o_head, p.o.seq, row0, seq.nq(p),
                                                          p.head_dim, blk.acc_o[0], 1.f, lane);
-    if (!UNDER_PV && (lane & 3) == 0) {
+    if (!FINISH_UNDER_PV && (lane & 3) == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + (lane >> 2) + 8 * r;

@@ -109,6 +109,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1 / x for a normal x > 0 without the IEEE division's slow path (a call): rcp.approx (within an
+// ulp) and one Newton step, r + r (1 - x r).
+__device__ __forceinline__ float reciprocal_no_call(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return fmaf(fmaf(-x, r, 1.f), r, r);
+}
+
+// log2(x) by the MUFU (lg2.approx: absolute error about 2^-22 near 1)
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 2^x on the FMA pipe, for a share of the exponentials where the MUFU unit binds
 // (FlashAttention-4's trick): x rounded to the nearest integer j by adding 1.5 * 2^23 (the sum's
 // low bits then hold j), 2^(x - j) by a cubic on [-1/2, 1/2] (relative error 8.3e-5; fitted for

@@ -326,28 +326,39 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
 
   // Row r of m-tile mt's o_factor / l and lse = m * scale + ln(l) (a row that saw no key, l = 0:
   // 0 and -inf), from the running max and sum alone. (o_factor: the FP8 forward's descale factor
-  // of v.)
+  // of v.) FAST: o_factor times 1 / l from rcp.approx and a Newton step (reciprocal_no_call) and
+  // log2(l) from lg2.approx, in place of the IEEE division (a slow path behind a branch) and
+  // log2f's polynomial: short enough to hide under the TMA forward's last P V (forward_sm90_tma.cu,
+  // FAST_FINISH).
+  template <bool FAST = false>
   __device__ __forceinline__ void finish_row(int mt, int r, float scale_log2, float o_factor,
                                              float& inv, float& lse) const {
     const float ln2 = 0.6931471805599453f;
     const float l = quad_sum(row_sum[mt][r]);
     const bool empty = (l == 0.f);
-    inv = empty ? 0.f : o_factor / l;
-    lse = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
+    if constexpr (FAST) {
+      inv = empty ? 0.f : o_factor * reciprocal_no_call(l);
+      lse = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + fast_log2(l) + shift) * ln2;
+    } else {
+      inv = empty ? 0.f : o_factor / l;
+      lse = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + log2f(l) + shift) * ln2;
+    }
   }
 
   // Every row's (finish_row), so that the Hopper forward's pipelined loops compute them while
   // their last P V is in flight and scale the accumulator by them afterwards (rescale).
+  template <bool FAST = false>
   __device__ __forceinline__ void finish_rows(float scale_log2, float (&inv)[MT][2],
                                               float (&lse)[MT][2], float o_factor = 1.f) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) finish_row(mt, r, scale_log2, o_factor, inv[mt][r], lse[mt][r]);
+      for (int r = 0; r < 2; ++r)
+        finish_row<FAST>(mt, r, scale_log2, o_factor, inv[mt][r], lse[mt][r]);
   }
 
   // O = o_factor acc / l and lse, row by row.
-  template <int NT_O>
+  template <bool FAST = false, int NT_O>
   __device__ __forceinline__ void finalize(float (&acc)[MT][NT_O][4], float scale_log2,
                                            float (&lse)[MT][2], float o_factor = 1.f) {
 #pragma unroll
@@ -355,7 +366,7 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float inv;
-        finish_row(mt, r, scale_log2, o_factor, inv, lse[mt][r]);
+        finish_row<FAST>(mt, r, scale_log2, o_factor, inv, lse[mt][r]);
         rescale_row(acc, mt, r, inv);
       }
     }

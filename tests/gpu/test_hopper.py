@@ -250,7 +250,8 @@ def test_every_hopper_path_agrees_with_the_reference(head_dim, path):
 
 
 @pytest.mark.parametrize(
-    "head_dim,tiles", [(40, (128, 128, 2)), (128, None), (256, None), (64, (192, 64, 2))]
+    "head_dim,tiles",
+    [(40, (128, 128, 2)), (128, None), (128, (128, 160, 2)), (256, None), (64, (192, 64, 2))],
 )
 @pytest.mark.parametrize(
     "seq_q,seq_k,causal,window,softcap,alibi",
@@ -267,7 +268,8 @@ def test_every_forward_schedule_gives_the_same_bits(
 ):
     # The TMA forward's key-tile loops (kernels_cu/forward_sm90_tma.cu, SCHEDULE) run the same
     # arithmetic in the same order per element (the rescale of O before each P V product, the
-    # products' accumulation), only at other times: serial, pipelined ("overlap") and pipelined
+    # products' accumulation, the rows' finish: d = 128's 160-key tiles by the MUFU, under the
+    # last P V where pipelined), only at other times: serial, pipelined ("overlap") and pipelined
     # with turns at the tensor cores give the same bits, and the library's choice passes the
     # policy against the float64 reference. Outputs start as NaN: an unwritten row fails.
     case = Case(
