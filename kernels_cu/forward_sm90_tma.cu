@@ -114,7 +114,7 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
   // The rows' 1 / l and log2(l) by the MUFU (softmax.cuh, finish_row<FAST>) and, in the pipelined
   // loops, under the last P V (FINISH_UNDER_PV in the kernel): d = 128's 160-key tiles (16-bit, no
-  // softcap), where that ran 1.02x at 4k and 1.005-1.013x at 16k (H200, bf16, dense and causal);
+  // softcap), where that ran 1.015-1.025x at 4k and 1.02-1.03x at 16k (H200, bf16, dense, causal);
   // the 128-key tiles at 1k lost 1.4% with it, and the softcap 3% at 4k in v46. Every loop of an
   // instance finishes its rows alike (the schedules give the same bits).
   static constexpr bool FAST_FINISH = HD == 128 && BN > 128 &&
