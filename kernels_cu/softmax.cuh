@@ -336,6 +336,8 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
     const float ln2 = 0.6931471805599453f;
     const float l = quad_sum(row_sum[mt][r]);
     const bool empty = (l == 0.f);
+    // (each branch spells out its expressions: one form shared by both moved an instruction of
+    // the exact branch's log2f, whose instances are measured as they are)
     if constexpr (FAST) {
       inv = empty ? 0.f : o_factor * reciprocal_no_call(l);
       lse = empty ? -inf_f32() : (row_max[mt][r] * scale_log2 + fast_log2(l) + shift) * ln2;

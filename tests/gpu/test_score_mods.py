@@ -61,10 +61,11 @@ def test_alibi_over_key_tiles_on_both_sides_of_the_diagonal(head_dim, seqs):
     # tiles far left and right of a row's diagonal weigh in its O and lse: the TMA forward gives
     # the tiles wholly on one side ALiBi's one-sided form and those that straddle a diagonal the
     # general one (kernels_cu/forward_sm90.cuh, alibi_side). Nq < Nk, Nq > Nk and 2048 rows (d =
-    # 64's three-warpgroup tiles from 1024 rows; 4100: d = 128's 160-key tiles), with and without a softcap,
-    # causal (every unmasked tile left of the diagonal) and not; and larger slopes, where a row's
-    # terms differ between the lanes that hold its columns by more (a first version took the
-    # quad's max before adding each lane's term: off by up to 6 slopes, 0.15-0.6 in lse).
+    # 64's three-warpgroup tiles, from 1024 rows; 4100: d = 128's 160-key tiles), with and
+    # without a softcap, causal (every unmasked tile left of the diagonal) and not; and larger
+    # slopes, where a row's terms differ between the lanes that hold its columns by more (a first
+    # version took the quad's max before adding each lane's term: off by up to 6 slopes, 0.15-0.6
+    # in lse).
     nq, nk = seqs
     base = Case(1, 2, 2, nq, nk, head_dim, "bfloat16", "bshd", False, None, "contiguous", 13)
     for causal in (False, True):
