@@ -48,10 +48,10 @@ SOURCE = "forward_sm90_tma.cu"
 # (anchor in SOURCE, text before it, text after it). Consumer events: e0 the item's
 # start, e1 the item read, e2 set up (before the first turn), e3 the turn taken, e4 S_0 issued
 # (K_0 waited), e5 S_0 waited, e6 P_0 ready, e7 the loop done, e8 the last P V waited (lse
-# written and the next Q taken under it: UNDER_PV), e9 O normalised (UNDER_PV instances only),
-# e10 O staged and its store issued, e11 O written from registers where not staged; values: e16
-# globaltimer at e0, e17 the key tiles, e18 .. e22 the loop's turns, issues (K / V waits), S
-# waits, softmaxes, P V waits, summed over its tiles.
+# written under it: FINISH_UNDER_PV; the next Q taken there too: UNDER_PV), e9 O normalised
+# (FINISH_UNDER_PV instances only), e10 O staged and its store issued, e11 O written from
+# registers where not staged; values: e16 globaltimer at e0, e17 the key tiles, e18 .. e22 the
+# loop's turns, issues (K / V waits), S waits, softmaxes, P V waits, summed over its tiles.
 PATCHES = [
     ('#include "forward_sm90.cuh"\n', "", TRACE),
     (
@@ -165,7 +165,7 @@ PHASES = [
     ("S_0 waited", 4, 5),
     ("softmax of S_0", 5, 6),
     ("the loop (tiles 1 ..)", 6, 7),
-    ("the last P V (lse, next Q: BN <= 128)", 7, 8),
+    ("the last P V (lse; next Q where BN <= 128)", 7, 8),
     ("O normalised", 8, 9),
     ("O staged and stored", 9, 10),
     ("O from registers (not staged)", 10, 11),
