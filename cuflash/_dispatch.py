@@ -64,6 +64,7 @@ class Launch:
     num_work: int = 0  # persistent kernels: work items
     paired: bool = False  # persistent kernels: items taken in pairs (common.cuh, WorkWalk)
     walk_heads: int = 0  # dense TMA forward and dQ: decode_chunked_work's chunk, or 0 (walk_heads)
+    split_last: bool = False  # TMA forward: each head's last row block split by keys, walked first
     row_shift: int = 0  # TMA forward: rows of the first block before row 0
     lanes_per_row: int = 32  # preprocess
     dq_tile_rows: int = 0  # preprocess of the fused backward: its query tile rows (its counters)
@@ -80,6 +81,7 @@ class Launch:
             "num_work": self.num_work,
             "paired": int(self.paired),
             "walk_heads": self.walk_heads,
+            "split_last": int(self.split_last),
             "row_shift": self.row_shift,
             "lanes_per_row": self.lanes_per_row,
             "dq_tile_rows": self.dq_tile_rows,
@@ -141,7 +143,25 @@ def _tma_forward_launch(
     v_map = ("vt", bucket) if p.dtype == _kernels.FP8_DTYPE else ("v", spec.rows_per_step)
     maps = (("q", spec.rows_per_block), ("k", spec.rows_per_step), v_map)
     maps += (("o", 64),) if o_via_tma else (("q", spec.rows_per_block),)  # q's map stands in
-    return _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift, choice=choice)
+    launch = _persistent_launch(p, spec, p.heads_q, slots, sm_count, maps, row_shift, choice=choice)
+    if split_last_block(p, spec):
+        launch = replace(launch, split_last=True)
+    return launch
+
+
+def split_last_block(p: Problem, spec: _kernels.KernelSpec) -> bool:
+    """Whether the TMA forward splits each head's last row block by keys among its consumers
+    (kernels_cu/forward_sm90_tma.cu, SPLIT_LAST), where the instance can and that block's real
+    rows fit one consumer's 64: the three-consumer tiles (d = 64 from 1k rows) at Nq = 1k, 4k and
+    16k (64 rows past a multiple of 192). Start-aligned blocks only (no right bound: under one the
+    partial block comes first and is the cheapest)."""
+    partial_rows = p.seq_q % spec.rows_per_block
+    return (
+        _kernels.splits_last_block(spec)
+        and not p.mask.bounded_right
+        and not p.packed
+        and 0 < partial_rows <= 64
+    )
 
 
 @dataclass(frozen=True)

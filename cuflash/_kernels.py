@@ -534,6 +534,8 @@ def _tma_instance(
         loop = FORWARD_SCHEDULES.index(schedule)
         expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {int(o_via_tma)}, {loop}, {features}>"
         smem = (bufs * bm + 2 * stages * bn) * row_bytes + (bm * hd * 2 if o_via_tma else 0)
+        if _splits_last_block(bm, schedule, itemsize, features):  # the partial rows' area
+            smem += (bm // 64 - 1) * 128 * (hd // 2 + 5) * 4
         smem += 8 * (2 * bufs + 4 * stages) + POSTED_ITEM_BYTES * bufs + 1024
         return spec(expr, (bm // 64 + 1) * 128, smem, bm, bn)
     expr = f"{name}<{elem}, {hd}, {bm}, {bn}, {stages}, {features}>"
@@ -552,6 +554,29 @@ def _tma_instance(
         smem += _exchange_bytes(bm, bn, bool(features & FEATURE_SOFTCAP)) + bn * bm * 2
     smem += 8 * (2 * bufs + 2 * stages) + 16 * bufs + 1024
     return spec(expr, ((2 if split else bn // 64) + 1) * 128, smem, bn, bm)
+
+
+def _splits_last_block(bm: int, schedule: str, itemsize: int, features: int) -> bool:
+    """Whether a TMA forward instance can split its heads' last row block by keys among its
+    consumers (kernels_cu/forward_sm90_tma.cu, SPLIT_LAST: three consumers, the serial loop,
+    16-bit, no window, not packed, not the softcap with ALiBi)."""
+    return (
+        bm // 64 == 3
+        and schedule == "serial"
+        and itemsize == 2
+        and features & (FEATURE_LOCAL | FEATURE_PACKED) == 0
+        and features & (FEATURE_SOFTCAP | FEATURE_ALIBI) != FEATURE_SOFTCAP | FEATURE_ALIBI
+    )
+
+
+def splits_last_block(spec: KernelSpec) -> bool:
+    """_splits_last_block of a TMA forward instance."""
+    return (
+        spec.family == "forward"
+        and spec.path == "tma"
+        and spec.dtype != FP8_DTYPE
+        and _splits_last_block(spec.rows_per_block, spec.schedule, 2, spec.features)
+    )
 
 
 def _fp8_instance(family, path, head_dim, tiles, features, o_via_tma, schedule) -> KernelSpec:

@@ -85,6 +85,7 @@ class Params(ctypes.Structure):
             ("row_shift", _i32),
             ("paired", _i32),
             ("walk_heads", _i32),
+            ("split_last", _i32),
             ("lanes_per_row", _i32),
             ("dq_tile_rows", _i32),
             ("total_q", _i32),

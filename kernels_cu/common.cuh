@@ -147,6 +147,21 @@ __host__ __device__ __forceinline__ BlockCoords decode_paired_work(i64 item, int
   return c;
 }
 
+// Item `item` of the order where every head's last row block comes first, in head order, and the
+// other blocks follow in decode_paired_work's (the TMA forward with split_last, whose last blocks
+// cost a fraction of the others: taken first, the walk's rounds spread them over every block;
+// decode_paired_work's order would hand them all to the same few blocks).
+__host__ __device__ __forceinline__ BlockCoords decode_last_first_work(i64 item, int heads,
+                                                                     int batch, int num_blocks) {
+  const i64 total = static_cast<i64>(batch) * heads;
+  if (item >= total) return decode_paired_work(item - total, heads, num_blocks - 1);
+  BlockCoords c;
+  c.block = num_blocks - 1;
+  c.batch = static_cast<int>(item / heads);
+  c.head = static_cast<int>(item - static_cast<i64>(c.batch) * heads);
+  return c;
+}
+
 // Item `item` of the block-major order over chunks of `chunk` (batch, head) pairs, the host's
 // choice for dense calls where a window makes the row blocks' costs uneven (Params::walk_heads,
 // cuflash/_dispatch.py, walk_heads): every head of a chunk's last row block, then every head's

@@ -120,6 +120,21 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   static constexpr bool FAST_FINISH = HD == 128 && BN > 128 &&
       Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::SOFTCAP;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
+  // The last row block of a head split by keys (Params::split_last; the host's choice where that
+  // block's real rows fit one warpgroup): every consumer runs the block's first 64 rows over every
+  // CONSUMERS-th key tile, and the first consumer merges the others' partial rows (their max,
+  // sum and O, through shared memory: COMBINE_BYTES) before its epilogue. Such a block costs about
+  // a third of the others, where the whole block's tiles cost as much as a full one: d = 64's
+  // 192-row tiles at 1k rows (5 x 192 + 64) spend a sixth of their items on it. The three-consumer
+  // serial loop, 16-bit, dense sequences without a window (the host's walk, decode_last_first_work),
+  // and not the softcap with ALiBi (4 B spilled).
+  static constexpr bool SPLIT_LAST = CONSUMERS == 3 && SCHEDULE == SCHEDULE_SERIAL &&
+      Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::PACKED &&
+      !Features<FEATURES>::LOCAL && !(Features<FEATURES>::SOFTCAP && Features<FEATURES>::ALIBI);
+  // per thread of each consumer but the first: its O accumulator, row max and sum, repair bits
+  static constexpr int COMBINE_FIELDS = HD / 2 + 5;
+  static constexpr int COMBINE_BYTES = SPLIT_LAST ? (CONSUMERS - 1) * 128 * COMBINE_FIELDS * 4 : 0;
+  static constexpr int COMBINE_WRITTEN = 12, COMBINE_READ = 13;  // named barriers
   // One TMA box per column block of a Q or K tile (ROW_BYTES = 128 bytes, or 64 for e4m3 at
   // d = 64; BOX_COLS elements wide), and of V's (16-bit) or of V^T's, whose blocks hold 128 keys
   // (8-bit: ForwardFormat); O's stores (16-bit) go in 64-column blocks.
@@ -193,6 +208,72 @@ __device__ __forceinline__ void stage_output_rows(unsigned char* sO, const float
   }
 }
 
+// SPLIT_LAST: the consumers' partial results for the same 64 rows (each over its share of the key
+// tiles) merged into the first consumer's. Thread t of every consumer holds the same rows and
+// columns: the others write their O accumulator, row max, row sum and repair bits at `area`
+// (COMBINE_FIELDS values of 128 threads each, field-major: consecutive threads, consecutive
+// words), the first rescales everything to the rows' common max and adds them in consumer order,
+// so that the bits do not depend on which consumer finished first. Two named barriers: written
+// (the others arrive, the first waits) and read (the other way round), so that the area is free
+// again before any consumer can reach its next split block.
+template <typename Tr, typename Block>
+__device__ __forceinline__ void merge_split_rows(Block& blk, float* area, unsigned& repair) {
+  constexpr int F = Tr::COMBINE_FIELDS, NT_O = Tr::NT_O, THREADS = 128 * Tr::CONSUMERS;
+  const int t = threadIdx.x & 127;
+  if (blk.wg > 0) {
+    float* mine = area + (blk.wg - 1) * (F * 128) + t;
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 128] = blk.acc_o[0][nt][e];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mine[(NT_O * 4 + r) * 128] = blk.softmax.row_max[0][r];
+      mine[(NT_O * 4 + 2 + r) * 128] = blk.softmax.row_sum[0][r];
+    }
+    mine[(NT_O * 4 + 4) * 128] = __uint_as_float(repair);
+    named_barrier_arrive(Tr::COMBINE_WRITTEN, THREADS);
+    named_barrier_sync(Tr::COMBINE_READ, THREADS);
+    return;
+  }
+  named_barrier_sync(Tr::COMBINE_WRITTEN, THREADS);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m = blk.softmax.row_max[0][r];
+#pragma unroll
+    for (int w = 1; w < Tr::CONSUMERS; ++w)
+      m = fmaxf(m, area[(w - 1) * (F * 128) + (NT_O * 4 + r) * 128 + t]);
+    // each consumer's P are exp2(s scale_log2 - its max scaled - shift), a row that saw no key
+    // yet at max -inf with P = 0 (softmax.cuh, move_row): rescaled to the common max
+    const float m_scaled = m == -inf_f32() ? 0.f : m * blk.scale_log2;
+    const float own = fast_exp2(blk.softmax.row_max[0][r] * blk.scale_log2 - m_scaled);
+    float sum = blk.softmax.row_sum[0][r] * own;
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+      blk.acc_o[0][nt][2 * r] *= own;
+      blk.acc_o[0][nt][2 * r + 1] *= own;
+    }
+#pragma unroll
+    for (int w = 1; w < Tr::CONSUMERS; ++w) {
+      const float* theirs = area + (w - 1) * (F * 128) + t;
+      const float factor =
+          fast_exp2(theirs[(NT_O * 4 + r) * 128] * blk.scale_log2 - m_scaled);
+      sum = fmaf(theirs[(NT_O * 4 + 2 + r) * 128], factor, sum);
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e)
+          blk.acc_o[0][nt][e] = fmaf(theirs[(nt * 4 + e) * 128], factor, blk.acc_o[0][nt][e]);
+    }
+    blk.softmax.row_max[0][r] = m;
+    blk.softmax.row_sum[0][r] = sum;
+  }
+#pragma unroll
+  for (int w = 1; w < Tr::CONSUMERS; ++w)
+    repair |= __float_as_uint(area[(w - 1) * (F * 128) + (NT_O * 4 + 4) * 128 + t]);
+  named_barrier_arrive(Tr::COMBINE_READ, THREADS);
+}
+
 template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int SCHEDULE,
           int FEATURES>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
@@ -208,8 +289,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   unsigned char* sK = sQ + Q_BUFS * Tr::Q_BYTES;    // STAGES tiles
   unsigned char* sV = sK + STAGES * Tr::KV_BYTES;   // STAGES tiles
   unsigned char* sO = sV + STAGES * Tr::KV_BYTES;   // the O staging tile (STAGE_O)
+  float* combine = reinterpret_cast<float*>(sO + Tr::O_STAGE_BYTES);  // SPLIT_LAST's partial rows
   TmaForwardBarriers<Q_BUFS, STAGES, PACKED>& bar =
-      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES, PACKED>*>(sO + Tr::O_STAGE_BYTES);
+      *reinterpret_cast<TmaForwardBarriers<Q_BUFS, STAGES, PACKED>*>(sO + Tr::O_STAGE_BYTES +
+                                                                     Tr::COMBINE_BYTES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // The parameters are read where they are used (Tr::Mask::of(p) builds the mask there): copies
   // held through the loops cost the consumers registers.
@@ -243,7 +326,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      const WorkItem<PACKED> work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
+      WorkItem<PACKED> work;
+      if constexpr (Tr::SPLIT_LAST) {
+        if (p.split_last) {
+          work.c = decode_last_first_work(item, p.heads_q, p.batch, p.num_blocks);
+          work.seq = Seq<false>::of(p, work.c.batch);
+        } else {
+          work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
+        }
+      } else {
+        work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
+      }
       const BlockCoords bc = work.c;
       const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);
@@ -371,6 +464,14 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       blk.softmax.init(p.p_shift);  // see forward.cu
     }
     const TileRange tiles = Tr::Mask::of(p, seq.ext).key_tiles(blk.m0, BM, BN);
+    // SPLIT_LAST: every consumer takes the block's first 64 rows (issue_scores and the masks add
+    // the warpgroup's 64-row offset to sQ and m0: move them back by it) over its share of the key
+    // tiles, tiles.at(it) for it % CONSUMERS == wg.
+    const bool split = Tr::SPLIT_LAST && p.split_last && bc.block == p.num_blocks - 1;
+    if (split) {
+      blk.m0 -= 64 * blk.wg;
+      blk.sQ -= blk.wg * (64 * Tr::ROW_BYTES);
+    }
     // The tiles that straddle a bound of the mask or the end of the keys first (mask.cuh,
     // TileRange::at). Rows that they made non-finite are flagged and recomputed at the end
     // (repair.cuh).
@@ -482,17 +583,47 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         pv_done(count - 1);
       }
     } else {
-      for (int it = 0; it < count; ++it) {
+      auto serial_tile = [&](int it) {
         issue_scores(it);
         wgmma_wait<0>();
         probabilities(it);
         blk.to_a_fragments(s, pf);
         issue_pv(it);
         wgmma_wait<0>();
-        pv_done(it);
+      };
+      if (split) {
+        // Another consumer's tile: waited for (so that this release counts towards its use, not
+        // the stage's next) and released at once.
+        auto pass_tile = [&](int it) {
+          if (it == count - 1) mbar_arrive(&bar.q_empty[qb]);
+          mbar_wait(&bar.k_full[stage_of(it)], phase_of(it));
+          release(&bar.k_empty[stage_of(it)]);
+          mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
+          release(&bar.v_empty[stage_of(it)]);
+        };
+        for (int it = 0; it < count; ++it) {
+          if (it % Tr::CONSUMERS != blk.wg) {
+            pass_tile(it);
+            continue;
+          }
+          serial_tile(it);
+          blk.pv_done(pf);
+          release(&bar.v_empty[stage_of(it)]);
+          // this consumer's last masked tile (the first `masked` come first)
+          if (it < masked && it + Tr::CONSUMERS >= masked) repair = nonfinite_rows(blk.acc_o);
+        }
+      } else {
+        for (int it = 0; it < count; ++it) {
+          serial_tile(it);
+          pv_done(it);
+        }
       }
     }
     pipe += count;
+    if (split) {
+      merge_split_rows<Tr>(blk, combine, repair);
+      if (blk.wg != 0) continue;  // the first consumer writes the rows
+    }
 
     // Epilogue: normalise, write O (through the staging tile, or this lane's pairs of it straight
     // from registers) and lse (FINISH_UNDER_PV wrote it above).

@@ -53,6 +53,8 @@ struct Params {
                       // each sequence's own, forward_sm90_tma.cu)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int walk_heads;     // dense persistent forward and dQ: 0, or decode_chunked_work's chunk
+  int split_last;     // TMA forward, three consumers, serial loop: the last row block of every head
+                      // (its rows fit one warpgroup) split by keys, walked first (forward_sm90_tma.cu)
   int lanes_per_row;  // preprocess: lanes that reduce one row
   int dq_tile_rows;   // preprocess, where dq_semaphores is set: the fused backward's tile rows
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors

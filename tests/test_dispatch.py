@@ -87,6 +87,38 @@ def test_forward_work_list():
             assert spec.features == (_kernels.FEATURE_ALIBI if alibi else 0)
 
 
+def test_forward_splits_a_last_row_block_that_fits_one_warpgroup():
+    # d = 64's 192-row tiles (three consumers, the serial loop) split each head's last block by
+    # keys where its rows fit one consumer (kernels_cu/forward_sm90_tma.cu, SPLIT_LAST):
+    # start-aligned blocks only, and not with a window, packed sequences or softcap with ALiBi
+    def launch_of(seq_q, window=(None, None), **kw):
+        p = problem(seq_q=seq_q, seq_k=seq_q, head_dim=64, window=window, **kw)
+        return _dispatch.forward(p, strides_of(p), "sm_90a", 132).aligned
+
+    cases = ((1024, True), (4096, True), (16384, True), (1100, False), (1200, True), (1300, False))
+    for seq_q, split in cases:
+        launch = launch_of(seq_q)
+        assert launch.spec.rows_per_block == 192 and launch.split_last == split, seq_q
+        assert launch.params_fields()["split_last"] == int(split)
+    for seq_q in (1152, 2048, 8192):  # no partial block, or one of 128 rows
+        assert not launch_of(seq_q).split_last
+    assert not launch_of(1024, window=(None, 0)).split_last  # causal: the partial block first
+    assert not launch_of(1024, window=(300, 200)).split_last
+    assert launch_of(1024, softcap=30.0).split_last and launch_of(1024, alibi=True).split_last
+    assert not launch_of(1024, softcap=30.0, alibi=True).split_last
+    # below 1024 rows the 128-row tiles (two consumers) serve; an explicit serial (192, 128)
+    # instance splits, the same tiles with turns do not, and the split instance holds the
+    # partial rows' area (two consumers' O, max, sum and repair bits)
+    assert not launch_of(1000 - 64).split_last
+    serial, turns = (
+        _kernels.instance("forward", "tma", "bfloat16", 64, (192, 128, 2), 0, True, loop)
+        for loop in ("serial", "turns")
+    )
+    assert _kernels.splits_last_block(serial) and not _kernels.splits_last_block(turns)
+    plain = _kernels.instance("forward", "tma", "bfloat16", 64, (192, 128, 2), 1, True, "serial")
+    assert serial.smem_bytes - plain.smem_bytes == 2 * 128 * (64 // 2 + 5) * 4
+
+
 def test_backward_launches():
     p = problem(head_dim=64)
     chosen = _dispatch.backward(p, strides_of(p), "sm_90a", 132)

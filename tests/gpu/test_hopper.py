@@ -134,6 +134,41 @@ def test_several_work_items_per_block(
     assert launch.spec.path == "tma" and launch.num_work >= 2 * launch.grid
 
 
+@pytest.mark.parametrize(
+    "batch,group,seq_q,seq_k,softcap,alibi,dtype",
+    [
+        (2, 1, 1024, 1024, None, None, "bfloat16"),  # 5 x 192 + 64 rows
+        (8, 1, 1200, 517, None, None, "float16"),  # 48 rows; a partial key tile; 2+ items a block
+        (1, 2, 4096, 4096, 30.0, None, "bfloat16"),  # softcap (pinned rows); grouped heads
+        (2, 1, 1024, 300, None, "head", "float16"),  # ALiBi; three key tiles, one a consumer
+        (1, 1, 1024, 100, None, None, "bfloat16"),  # one key tile: two consumers see none
+    ],
+)
+def test_last_row_block_split_by_keys(batch, group, seq_q, seq_k, softcap, alibi, dtype):
+    # d = 64's 192-row tiles split each head's last block among the three consumers by key tiles
+    # where its rows fit one (kernels_cu/forward_sm90_tma.cu, SPLIT_LAST) and merge their rows;
+    # the walk takes those blocks first (common.cuh, decode_last_first_work). Against the float64
+    # reference, every row written once, and the same bits on a second call.
+    case = Case(batch, 2, group, seq_q, seq_k, 64, dtype, "bshd", False, None, "contiguous", 29)
+    case = replace(case, softcap=softcap, alibi=alibi)
+    check_case(case, "split last block")
+    q, k, v = inputs_of(case)
+    slopes = None
+    if alibi:
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        slopes = torch.rand(case.heads_q, device="cuda", generator=gen)
+    runs = [
+        testing.attention_forward_with(
+            _dispatch.DEFAULT, q, k, v, softcap=softcap, alibi_slopes=slopes
+        )
+        for _ in range(2)
+    ]
+    launch = runs[0][2].runs.aligned.launch
+    assert launch.spec.rows_per_block == 192 and launch.split_last
+    (o, lse, _), (o2, lse2, _) = runs
+    assert not torch.isnan(o).any() and torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
 def test_patched_tensor_maps_equal_the_drivers():
     x = torch.empty(4, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
     base = x.data_ptr()
