@@ -38,7 +38,11 @@
 // the partial block is then the first, which sees the fewest keys, instead of the last, which would
 // run every key tile for a few real rows. An odd block count gets an empty slot 0 (all its rows
 // negative, skipped), so that every pair of decode_paired_work stays within one head. Rows
-// before 0 are read as zeros by the TMA unit and never written.
+// before 0 are read as zeros by the TMA unit and never written. Without a right bound, where the
+// last block's real rows fit one consumer and the instance has three (SPLIT_LAST: d = 64's
+// 192-row tiles at 1k, 4k, 16k rows), the host asks for that block to be split by key tiles among
+// the consumers and walked first (Params::split_last, decode_last_first_work): it then costs about
+// a third of a block, where padded it cost a whole one (docs/perf/NOTES.md, v48).
 //
 // Elements (forward_sm90.cuh, ForwardFormat): fp16 / bf16, or e4m3 for the FP8 forward, whose
 // tiles have rows of 128 elements (one box per 128 bytes either way), whose V tiles are V^T's
