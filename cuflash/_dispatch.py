@@ -156,12 +156,7 @@ def split_last_block(p: Problem, spec: _kernels.KernelSpec) -> bool:
     16k (64 rows past a multiple of 192). Start-aligned blocks only (no right bound: under one the
     partial block comes first and is the cheapest)."""
     partial_rows = p.seq_q % spec.rows_per_block
-    return (
-        _kernels.splits_last_block(spec)
-        and not p.mask.bounded_right
-        and not p.packed
-        and 0 < partial_rows <= 64
-    )
+    return _kernels.splits_last_block(spec) and not p.mask.bounded_right and 0 < partial_rows <= 64
 
 
 @dataclass(frozen=True)

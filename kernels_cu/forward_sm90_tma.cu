@@ -130,8 +130,8 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   // sum and O, through shared memory: COMBINE_BYTES) before its epilogue. Such a block costs about
   // a third of the others, where the whole block's tiles cost as much as a full one: d = 64's
   // 192-row tiles at 1k rows (5 x 192 + 64) spend a sixth of their items on it. The three-consumer
-  // serial loop, 16-bit, dense sequences without a window (the host's walk, decode_last_first_work),
-  // and not the softcap with ALiBi (4 B spilled).
+  // serial loop, 16-bit, dense sequences without a window (the host's walk:
+  // decode_last_first_work), and not the softcap with ALiBi (4 B spilled).
   static constexpr bool SPLIT_LAST = CONSUMERS == 3 && SCHEDULE == SCHEDULE_SERIAL &&
       Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::PACKED &&
       !Features<FEATURES>::LOCAL && !(Features<FEATURES>::SOFTCAP && Features<FEATURES>::ALIBI);
@@ -252,11 +252,7 @@ __device__ __forceinline__ void merge_split_rows(Block& blk, float* area, unsign
     const float m_scaled = m == -inf_f32() ? 0.f : m * blk.scale_log2;
     const float own = fast_exp2(blk.softmax.row_max[0][r] * blk.scale_log2 - m_scaled);
     float sum = blk.softmax.row_sum[0][r] * own;
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt) {
-      blk.acc_o[0][nt][2 * r] *= own;
-      blk.acc_o[0][nt][2 * r + 1] *= own;
-    }
+    blk.softmax.rescale_row(blk.acc_o, 0, r, own);
 #pragma unroll
     for (int w = 1; w < Tr::CONSUMERS; ++w) {
       const float* theirs = area + (w - 1) * (F * 128) + t;
@@ -330,17 +326,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     for (int step = 0; !walk.done(step); ++step) {
       const i64 item = walk.item(step);
       if (item >= walk.num_work) continue;
-      WorkItem<PACKED> work;
-      if constexpr (Tr::SPLIT_LAST) {
-        if (p.split_last) {
-          work.c = decode_last_first_work(item, p.heads_q, p.batch, p.num_blocks);
-          work.seq = Seq<false>::of(p, work.c.batch);
-        } else {
-          work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
-        }
-      } else {
-        work = work_item<PACKED, CHUNKABLE>(p, item, p.heads_q);
-      }
+      const WorkItem<PACKED> work =
+          work_item<PACKED, CHUNKABLE, Tr::SPLIT_LAST>(p, item, p.heads_q);
       const BlockCoords bc = work.c;
       const Seq<PACKED> seq = work.seq;
       const int kv_head = bc.head / p.group, m0 = slot_row0<BM>(p, seq, bc.block);

@@ -53,8 +53,9 @@ struct Params {
                       // each sequence's own, forward_sm90_tma.cu)
   int paired;         // persistent kernels: blocks take pairs of work items (common.cuh, WorkWalk)
   int walk_heads;     // dense persistent forward and dQ: 0, or decode_chunked_work's chunk
-  int split_last;     // TMA forward, three consumers, serial loop: the last row block of every head
-                      // (its rows fit one warpgroup) split by keys, walked first (forward_sm90_tma.cu)
+  int split_last;     // TMA forward, three consumers, serial loop: every head's last row block
+                      // (its rows fit one warpgroup) split by keys, walked first
+                      // (forward_sm90_tma.cu)
   int lanes_per_row;  // preprocess: lanes that reduce one row
   int dq_tile_rows;   // preprocess, where dq_semaphores is set: the fused backward's tile rows
   int total_q, total_k;  // packed sequences (PACKED): the rows of the packed tensors
@@ -193,13 +194,17 @@ __host__ __device__ __forceinline__ const int4* work_entry(const Params& p, i64 
 
 // CHUNKABLE: the kernel walks decode_chunked_work's order where the host sets p.walk_heads (the
 // TMA forward's and dQ kernel's windowed instances; the others keep v30's code, whose d = 128
-// forward read 2% slower with the decode compiled in: docs/perf/NOTES.md, v31).
-template <bool PACKED, bool CHUNKABLE = false>
+// forward read 2% slower with the decode compiled in: docs/perf/NOTES.md, v31). LAST_FIRST:
+// decode_last_first_work's where the host sets p.split_last (the TMA forward's SPLIT_LAST
+// instances).
+template <bool PACKED, bool CHUNKABLE = false, bool LAST_FIRST = false>
 __device__ __forceinline__ WorkItem<PACKED> work_item(const Params& p, i64 item, int heads) {
   WorkItem<PACKED> w;
   if constexpr (!PACKED) {
     if (CHUNKABLE && p.walk_heads > 0)
       w.c = decode_chunked_work(item, heads, p.batch, p.num_blocks, p.walk_heads);
+    else if (LAST_FIRST && p.split_last)
+      w.c = decode_last_first_work(item, heads, p.batch, p.num_blocks);
     else
       w.c = decode_paired_work(item, heads, p.num_blocks);
     w.seq = Seq<false>::of(p, w.c.batch);
