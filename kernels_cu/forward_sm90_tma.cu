@@ -247,9 +247,9 @@ __device__ __forceinline__ void merge_split_rows(Block& blk, float* area, unsign
 #pragma unroll
     for (int w = 1; w < Tr::CONSUMERS; ++w)
       m = fmaxf(m, area[(w - 1) * (F * 128) + (NT_O * 4 + r) * 128 + t]);
-    // each consumer's P are exp2(s scale_log2 - its max scaled - shift), a row that saw no key
-    // yet at max -inf with P = 0 (softmax.cuh, move_row): rescaled to the common max
-    const float m_scaled = m == -inf_f32() ? 0.f : m * blk.scale_log2;
+    // each consumer's P are exp2(s scale_log2 - its max scaled - shift) (softmax.cuh, move_row):
+    // rescaled to the common max
+    const float m_scaled = blk.softmax.scaled_max(m, blk.scale_log2);
     const float own = fast_exp2(blk.softmax.row_max[0][r] * blk.scale_log2 - m_scaled);
     float sum = blk.softmax.row_sum[0][r] * own;
     blk.softmax.rescale_row(blk.acc_o, 0, r, own);

@@ -557,7 +557,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const DecodeMaps* 
     const int r = g + 8 * h;
     float m = -inf_f32();
     for (int w = 0; w < DECODE_WARPS; ++w) m = fmaxf(m, s_max[w * DECODE_ROWS + r]);
-    const float m_scaled = m == -inf_f32() ? 0.f : m * scale_log2;
+    const float m_scaled = softmax.scaled_max(m, scale_log2);
     float total = 0.f;
     for (int w = 0; w < DECODE_WARPS; ++w)
       total += s_sum[w * DECODE_ROWS + r] * fast_exp2(s_max[w * DECODE_ROWS + r] * scale_log2 - m_scaled);

@@ -218,7 +218,7 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_new = pin(next_max<SLACK>(row_max[mt][r], tile_max(mt, r), scale_log2));
-        const float m_scaled = (m_new == -inf_f32()) ? 0.f : m_new * scale_log2;
+        const float m_scaled = scaled_max(m_new, scale_log2);
         on_alpha(mt, r,
                  move_row<(SLACK > 0)>(s, mt, r, m_new, m_scaled, scale_log2,
                                        [&](float x, float bias) { return exponent(mt, r, x, bias); }));
@@ -251,6 +251,13 @@ struct OnlineSoftmax : SoftmaxPins<CEILING> {
             [&](float x, float bias) { return capped_exponent(x, cap_in, cap_log2, bias); });
       }
     }
+  }
+
+  // A row max m as the exponents' offset, m scale_log2, or 0 for a row that has seen no key (m =
+  // -inf: its P and alpha are then 0, where -inf - -inf would give NaN). The online update and the
+  // merges of several softmaxes' rows (forward_sm90_tma.cu, kvcache.cu) share it.
+  static __device__ __forceinline__ float scaled_max(float m, float scale_log2) {
+    return m == -inf_f32() ? 0.f : m * scale_log2;
   }
 
   // A row's running max after a tile whose largest score is m_tile: max(m_old, m_tile), or with
