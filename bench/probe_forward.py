@@ -32,7 +32,7 @@ from cuflash._dispatch import KernelChoice  # noqa: E402
 
 # (head dim, sequence lengths, alternatives to the library's TMA forward: (label, tiles or None
 # for the table's, schedule or None for the table's))
-SERIAL, OVERLAP, TURNS = _kernels.FORWARD_SCHEDULES
+SERIAL, OVERLAP, TURNS = _kernels.FORWARD_SCHEDULES[:3]
 LOOPS = [("serial", None, SERIAL), ("overlap", None, OVERLAP), ("turns", None, TURNS)]
 SHAPES = [
     (

@@ -167,12 +167,14 @@ _TMA_TILES = {
 # turns 0.86-0.91x; with a window (LOCAL) (192, 128) spilled 4 B and (128, 256) serial serves.
 # d = 128: 256-key tiles with the serial loop ran 1.15-1.17x (128, 128) with turns (256 keys with
 # turns spill 236 B); d = 256: (128, 128) serial (turns spilled 28 B, the pipelined loop without
-# turns 16 B; 256 keys need 296 KB of shared memory).
+# turns 16 B; 256 keys need 296 KB of shared memory). Both now take turns without the pipelining
+# ("serial_turns", v49, H200): whole call 1.06-1.18x the serial loop at d = 128, 1.05-1.08x at
+# d = 256; at d = 64 it ran 0.99-1.01x the table's.
 FP8_BUCKETS = (64, 128, 256)
 _FP8_TABLE = {
     64: ((192, 128, 2), "turns"),
-    128: ((128, 256, 2), "serial"),
-    256: ((128, 128, 2), "serial"),
+    128: ((128, 256, 2), "serial_turns"),
+    256: ((128, 128, 2), "serial_turns"),
 }
 _FP8_LOCAL_TABLE = {64: ((128, 256, 2), "serial")}  # with a window, where it differs
 FP8_FEATURE_SETS = (0, FEATURE_LOCAL)
@@ -285,8 +287,9 @@ _PACKED_SCORE_MOD_TILES = {("dkdv", "mma", 128): (32, 32, 4, 2)}
 TMA_STORE_MAX_HEAD_DIM = 128
 # The TMA forward's key-tile loop (kernels_cu/forward_sm90_tma.cu, SCHEDULE): each tile's steps one
 # after the other ("serial"), pipelined within each consumer warpgroup ("overlap"), or pipelined
-# with the consumers taking turns at the tensor cores ("turns").
-FORWARD_SCHEDULES = ("serial", "overlap", "turns")
+# with the consumers taking turns at the tensor cores ("turns"), or turns without the pipelining
+# ("serial_turns": a turn issues P_j V_j and S_{j+1}, the softmax follows both).
+FORWARD_SCHEDULES = ("serial", "overlap", "turns", "serial_turns")
 
 
 def forward_schedule(head_dim: int, tiles: tuple) -> str:

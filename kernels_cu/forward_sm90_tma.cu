@@ -18,7 +18,7 @@
 // steps one after the other, or pipelined as in FlashAttention-3 (S_{j+1} and P_j V_j in flight
 // on the tensor cores while a consumer computes the softmax of S_{j+1}), optionally with the
 // consumers taking turns at issuing their products (TensorCoreTurns), so that their softmaxes do
-// not coincide. The producer loads the next work item's Q and first K/V tiles while the
+// not coincide, or with the turns alone (SCHEDULE_SERIAL_TURNS: the FP8 forward). The producer loads the next work item's Q and first K/V tiles while the
 // consumers finish the current one (with one Q buffer, HD = 256, K_0 before Q: its stage frees
 // up as early). No block-wide barrier after the set-up. The copies zero-fill rows past N and
 // columns past d, so the consumers see padded tiles as the cp.async kernel builds them.
@@ -97,7 +97,17 @@ struct TensorCoreTurns {
 // The key-tile loop of the consumers (the host's choice, cuflash/_kernels.py): each tile's steps
 // one after the other, pipelined within each warpgroup, or pipelined with turns at the tensor
 // cores.
-enum ForwardSchedule { SCHEDULE_SERIAL = 0, SCHEDULE_OVERLAP = 1, SCHEDULE_TURNS = 2 };
+// SCHEDULE_SERIAL_TURNS: the turns without the pipelining, FlashAttention-3's ping-pong alone. A
+// warpgroup issues P_j V_j and S_{j+1} in its turn, waits for both, then computes the softmax of
+// S_{j+1}: S and the P fragments are live at once only while the products run, not through the
+// softmax (the pipelined loops' registers), so that 256-key FP8 tiles and three consumers at
+// d = 64 fit.
+enum ForwardSchedule {
+  SCHEDULE_SERIAL = 0,
+  SCHEDULE_OVERLAP = 1,
+  SCHEDULE_TURNS = 2,
+  SCHEDULE_SERIAL_TURNS = 3
+};
 
 template <typename Elem, int HD, int BM, int BN, int STAGES, int O_VIA_TMA, int SCHEDULE,
           int FEATURES>
@@ -114,8 +124,8 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   // Pipelined, a thread holds O's accumulator (HD / 2 registers), S (BN / 2) and the P
   // fragments of the product in flight (BN / 4) at once: with three consumers at d = 64 and
   // BN = 128 that spilled 16-160 bytes, and the host asks for SCHEDULE_SERIAL there.
-  static constexpr bool OVERLAP = SCHEDULE != SCHEDULE_SERIAL;
-  static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS;
+  static constexpr bool OVERLAP = SCHEDULE == SCHEDULE_OVERLAP || SCHEDULE == SCHEDULE_TURNS;
+  static constexpr bool TURNS = SCHEDULE == SCHEDULE_TURNS || SCHEDULE == SCHEDULE_SERIAL_TURNS;
   // The rows' 1 / l and log2(l) by the MUFU (softmax.cuh, finish_row<FAST>) and, in the pipelined
   // loops, under the last P V (FINISH_UNDER_PV in the kernel): d = 128's 160-key tiles (16-bit, no
   // softcap), where that ran 1.015-1.025x at 4k and 1.02-1.03x at 16k (H200, bf16, dense, causal);
@@ -570,6 +580,36 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         issue_pv(count - 1);
         if constexpr (FINISH_UNDER_PV) finish_rows();
         if constexpr (UNDER_PV) next_qb = acquire_to_read(bar.q_full, round);
+        wgmma_wait<0>();
+        pv_done(count - 1);
+      }
+    } else if constexpr (Tr::TURNS) {
+      // SCHEDULE_SERIAL_TURNS: each turn issues P_{it-1} V_{it-1}, waits for it, and issues S_it,
+      // so that the P fragments and S are never live at once (FP8's 256-key tiles: with both in
+      // flight ptxas serialised every wgmma of the kernel for want of registers)
+      if (count > 0) {
+        turns.begin();
+        issue_scores(0);
+        turns.end();
+        wgmma_wait<0>();
+        probabilities(0);
+        blk.to_a_fragments(s, pf);
+      }
+      for (int it = 1; it < count; ++it) {
+        turns.begin();
+        issue_pv(it - 1);
+        wgmma_wait<0>();
+        pv_done(it - 1);
+        issue_scores(it);
+        turns.end();
+        wgmma_wait<0>();
+        probabilities(it);
+        blk.to_a_fragments(s, pf);
+      }
+      if (count > 0) {
+        turns.begin();
+        issue_pv(count - 1);
+        turns.end();
         wgmma_wait<0>();
         pv_done(count - 1);
       }

@@ -149,6 +149,24 @@ def _loop(spec: _kernels.KernelSpec) -> str:
     return str(_kernels.FORWARD_SCHEDULES.index(spec.schedule))
 
 
+def test_fp8_forward_loops():
+    # The FP8 forward at d = 128 and 256 takes turns at the tensor cores without the pipelining
+    # (serial_turns: 1.05-1.18x the serial loop on the H200, docs/perf/NOTES.md v49), its 256-key
+    # tiles included, where the pipelined loops spill; d = 64 keeps three consumers with turns,
+    # and (128, 256) serial with a window.
+    fp8 = _kernels.FP8_DTYPE
+
+    def spec(d: int, features: int = 0) -> _kernels.KernelSpec:
+        return _kernels.instance("forward", "tma", fp8, d, None, features)
+
+    for d in (128, 256):
+        for features in _kernels.FP8_FEATURE_SETS:
+            assert spec(d, features).schedule == "serial_turns"
+            assert _template_args(spec(d, features))[6] == "3"
+    assert spec(64).schedule == "turns"
+    assert spec(64, _kernels.FEATURE_LOCAL).schedule == "serial"
+
+
 def test_forward_schedules():
     # The TMA forward's key-tile loop: pipelined with turns at the tensor cores where a consumer's
     # registers hold O, S and the P fragments at once (not three consumers at d = 64 with BN =
