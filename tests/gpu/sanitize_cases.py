@@ -6,7 +6,9 @@ Each case runs the forward pass and the backward pass (preprocess, dK/dV, dQ) on
 grouped heads and causal masking, through both the 16-byte path (aligned) and the element-wise
 path (unaligned views), with a sliding window and with every score modifier (the feature
 instances), plus, for fp16 and bf16, a causal forward whose first (end-aligned) row block starts
-before row 0 and meets a NaN key (the repair path). --all-buckets covers every
+before row 0 and meets a NaN key (the repair path), and at d <= 64 calls of 1000 rows (three
+consumer warpgroups: a last row block split by keys and merged, causal and windowed blocks).
+--all-buckets covers every
 head-dim instance; --forward-tiles and --register-store choose other TMA forwards, --walk-heads
 another order of the persistent forward's and dQ's work items in the windowed calls, --backward
 fused or split the Hopper backward where the call allows it (an explicit KernelChoice,
@@ -331,6 +333,13 @@ def main() -> int:
                 for causal in (False, True):
                     run(choice, dtype, d, causal, aligned=True, nq=2800, nk=600)
                 count += 2
+                if d <= 64:
+                    # three consumers (192-row tiles from 1k rows): the last row block's 40 rows
+                    # split by keys among them and merged (SPLIT_LAST), causal and windowed blocks
+                    run(choice, dtype, d, False, aligned=True, nq=1000, nk=300)
+                    for mods in ("", "window"):
+                        run(choice, dtype, d, True, aligned=True, nq=1000, nk=1000, mods=mods)
+                    count += 3
     for dtype in DTYPES if args.cases in ("varlen", "all") else ():
         for d in head_dims:
             for causal in (False, True):
