@@ -12,8 +12,9 @@ cost of an item that the 1k points pay eight times as often per key as the 4k on
 
     python bench/trace_forward.py [--head-dim 128] [--seq 1024] [--causal] [--dtype bfloat16]
 
-The pipelined loops only (SCHEDULE_OVERLAP and SCHEDULE_TURNS: every 16-bit table tile below
-d = 64's 1k rows and d = 128 / 256); the serial loop's phases are not stamped.
+The loops with turns (SCHEDULE_OVERLAP, SCHEDULE_TURNS: every 16-bit table tile below d = 64's 1k
+rows and d = 128 / 256; SCHEDULE_SERIAL_TURNS: the FP8 forward at d = 128 and 256, --dtype
+float8_e4m3fn, descale factors 1); the serial loop's phases are not stamped.
 """
 
 from __future__ import annotations
@@ -77,10 +78,22 @@ PATCHES = [
         "",
     ),
     (
-        "        pv_done(count - 1);\n      }\n",
-        "",
+        "    } else if constexpr (Tr::TURNS) {\n",
         f"      {C}TRACE_AT(blk.wg, tr_i, 8);\n"
         f"      {C}for (int k = 0; k < 5; ++k) TRACE_VALUE(blk.wg, tr_i, 18 + k, tr_sum[k]);\n",
+        "",
+    ),
+    # the serial loop with turns (SCHEDULE_SERIAL_TURNS): its last P V's turn, and after it
+    (
+        "        turns.begin();\n        issue_pv(count - 1);\n",
+        f"        {C}TRACE_AT(blk.wg, tr_i, 7);\n",
+        "",
+    ),
+    (
+        "    } else {\n      auto serial_tile",
+        f"      {C}TRACE_AT(blk.wg, tr_i, 8);\n"
+        f"      {C}for (int k = 0; k < 5; ++k) TRACE_VALUE(blk.wg, tr_i, 18 + k, tr_sum[k]);\n",
+        "",
     ),
     (
         "      blk.softmax.rescale(blk.acc_o, inv_rows);\n",
@@ -128,11 +141,11 @@ PATCHES = [
 ]
 # The first key tile and the loop's, stamped (REPLACEMENTS)
 FIRST_TILE = (
-    f"        turns.begin();\n        {C}TRACE_AT(blk.wg, tr_i, 3);\n"
-    f"        issue_scores(0);\n        turns.end();\n        {C}TRACE_AT(blk.wg, tr_i, 4);\n"
-    f"        wgmma_wait<0>();\n        {C}TRACE_AT(blk.wg, tr_i, 5);\n"
-    "        probabilities(0);\n        blk.to_a_fragments(s, pf);\n"
-    f"        {C}TRACE_AT(blk.wg, tr_i, 6);\n"
+    f"      turns.begin();\n      {C}TRACE_AT(blk.wg, tr_i, 3);\n"
+    f"      issue_scores(0);\n      turns.end();\n      {C}TRACE_AT(blk.wg, tr_i, 4);\n"
+    f"      wgmma_wait<0>();\n      {C}TRACE_AT(blk.wg, tr_i, 5);\n"
+    "      probabilities(0);\n      blk.to_a_fragments(s, pf);\n"
+    f"      {C}TRACE_AT(blk.wg, tr_i, 6);\n"
 )
 LOOP_TILE = (
     f"        {CT}\n        turns.begin();\n        {lap(0)}\n"
@@ -142,11 +155,25 @@ LOOP_TILE = (
     f"        probabilities(it);\n        {lap(3)}\n"
     f"        wgmma_wait<0>();  // P_{{it-1}} V_{{it-1}}\n        {lap(4)}\n"
 )
+# The serial loop with turns: lap 1 holds the turn's products, P V waited for among them
+SERIAL_TURNS_TILE = (
+    f"        {CT}\n        turns.begin();\n        {lap(0)}\n"
+    "        issue_pv(it - 1);\n        wgmma_wait<0>();\n        pv_done(it - 1);\n"
+    f"        issue_scores(it);\n        turns.end();\n        {lap(1)}\n"
+    f"        wgmma_wait<0>();\n        {lap(2)}\n"
+    f"        probabilities(it);\n        {lap(3)}\n"
+)
 REPLACEMENTS = [
     (
-        "        turns.begin();\n        issue_scores(0);\n        turns.end();\n"
-        "        wgmma_wait<0>();\n        probabilities(0);\n        blk.to_a_fragments(s, pf);\n",
+        "      turns.begin();\n      issue_scores(0);\n      turns.end();\n"
+        "      wgmma_wait<0>();\n      probabilities(0);\n      blk.to_a_fragments(s, pf);\n",
         FIRST_TILE,
+    ),
+    (
+        "        turns.begin();\n        issue_pv(it - 1);\n        wgmma_wait<0>();\n"
+        "        pv_done(it - 1);\n        issue_scores(it);\n        turns.end();\n"
+        "        wgmma_wait<0>();\n        probabilities(it);\n",
+        SERIAL_TURNS_TILE,
     ),
     (
         "        turns.begin();\n        issue_scores(it);\n        issue_pv(it - 1);\n"
@@ -172,7 +199,13 @@ PHASES = [
     ("to the next item", 11, "next"),
     ("item", 0, "next"),
 ]
-LOOP_PARTS = ("turn's wait", "S, P V issued (K, V waits)", "S waited", "softmax", "P V waited")
+LOOP_PARTS = (
+    "turn's wait",
+    "S, P V issued (K, V waits; serial turns: P V waited)",
+    "S waited",
+    "softmax",
+    "P V waited (pipelined)",
+)
 
 
 def report(raw: list[int]) -> None:
@@ -205,7 +238,8 @@ def report(raw: list[int]) -> None:
                     continue
                 for label, e0, e1 in PHASES:
                     end = z[0] if e1 == "next" else a[e1]
-                    rows.setdefault(label, []).append(end - a[e0])
+                    if a[e0] and end:  # both ends stamped (e9: FINISH_UNDER_PV instances only)
+                        rows.setdefault(label, []).append(end - a[e0])
                 tiles = a[17]
                 for k, label in enumerate(LOOP_PARTS):
                     rows.setdefault("  loop: " + label + " / tile", []).append(
@@ -251,14 +285,17 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn")
+    )
     args = parser.parse_args()
     b, n, d = max(1, 16384 // args.seq), args.seq, args.head_dim
     h = 2048 // d
     dtype = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(b, n, h, d, device="cuda").to(dtype) for _ in range(3))
+    forward = cuflash.attention_forward_fp8 if dtype.itemsize == 1 else cuflash.attention_forward
     raw = traced_call(
-        lambda: cuflash.attention_forward(q, k, v, causal=args.causal),
+        lambda: forward(q, k, v, causal=args.causal),
         SOURCE,
         PATCHES,
         "attention_forward_tma",

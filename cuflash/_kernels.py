@@ -168,7 +168,7 @@ _TMA_TILES = {
 # d = 128: 256-key tiles with the serial loop ran 1.15-1.17x (128, 128) with turns (256 keys with
 # turns spill 236 B); d = 256: (128, 128) serial (turns spilled 28 B, the pipelined loop without
 # turns 16 B; 256 keys need 296 KB of shared memory). Both now take turns without the pipelining
-# ("serial_turns", v49, H200): whole call 1.06-1.18x the serial loop at d = 128, 1.05-1.08x at
+# ("serial_turns", v49, H200): whole call 1.04-1.21x the serial loop at d = 128, 1.05-1.08x at
 # d = 256; at d = 64 it ran 0.99-1.01x the table's.
 FP8_BUCKETS = (64, 128, 256)
 _FP8_TABLE = {
@@ -288,7 +288,7 @@ TMA_STORE_MAX_HEAD_DIM = 128
 # The TMA forward's key-tile loop (kernels_cu/forward_sm90_tma.cu, SCHEDULE): each tile's steps one
 # after the other ("serial"), pipelined within each consumer warpgroup ("overlap"), or pipelined
 # with the consumers taking turns at the tensor cores ("turns"), or turns without the pipelining
-# ("serial_turns": a turn issues P_j V_j and S_{j+1}, the softmax follows both).
+# ("serial_turns": a turn issues P_j V_j, waits for it and issues S_{j+1}; the softmax follows).
 FORWARD_SCHEDULES = ("serial", "overlap", "turns", "serial_turns")
 
 

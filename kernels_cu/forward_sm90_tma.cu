@@ -18,10 +18,11 @@
 // steps one after the other, or pipelined as in FlashAttention-3 (S_{j+1} and P_j V_j in flight
 // on the tensor cores while a consumer computes the softmax of S_{j+1}), optionally with the
 // consumers taking turns at issuing their products (TensorCoreTurns), so that their softmaxes do
-// not coincide, or with the turns alone (SCHEDULE_SERIAL_TURNS: the FP8 forward). The producer loads the next work item's Q and first K/V tiles while the
-// consumers finish the current one (with one Q buffer, HD = 256, K_0 before Q: its stage frees
-// up as early). No block-wide barrier after the set-up. The copies zero-fill rows past N and
-// columns past d, so the consumers see padded tiles as the cp.async kernel builds them.
+// not coincide, or with the turns alone (SCHEDULE_SERIAL_TURNS: the FP8 forward). The producer
+// loads the next work item's Q and first K/V tiles while the consumers finish the current one
+// (with one Q buffer, HD = 256, K_0 before Q: its stage frees up as early). No block-wide barrier
+// after the set-up. The copies zero-fill rows past N and columns past d, so the consumers see
+// padded tiles as the cp.async kernel builds them.
 //
 // Output: with O_VIA_TMA (HD <= 128, where shared memory has room for an O tile, and d == HD)
 // each consumer warpgroup writes its normalised 64 rows of O into a staging tile (stmatrix, the
@@ -95,13 +96,13 @@ struct TensorCoreTurns {
 };
 
 // The key-tile loop of the consumers (the host's choice, cuflash/_kernels.py): each tile's steps
-// one after the other, pipelined within each warpgroup, or pipelined with turns at the tensor
-// cores.
-// SCHEDULE_SERIAL_TURNS: the turns without the pipelining, FlashAttention-3's ping-pong alone. A
-// warpgroup issues P_j V_j and S_{j+1} in its turn, waits for both, then computes the softmax of
-// S_{j+1}: S and the P fragments are live at once only while the products run, not through the
-// softmax (the pipelined loops' registers), so that 256-key FP8 tiles and three consumers at
-// d = 64 fit.
+// one after the other, pipelined within each warpgroup, pipelined with turns at the tensor cores,
+// or one after the other with turns (SCHEDULE_SERIAL_TURNS, FlashAttention-3's ping-pong without
+// its pipelining): in its turn a warpgroup issues P_j V_j, waits for it and issues S_{j+1}, then
+// waits for S_{j+1} and computes its softmax while the other warpgroups take their turns. S and
+// the P fragments are never live at once (the pipelined loops hold both through the softmax), so
+// that the FP8 forward's 256-key tiles at d = 128 and its d = 256 tiles fit (docs/perf/NOTES.md,
+// v49: 1.04-1.21x the serial loop there).
 enum ForwardSchedule {
   SCHEDULE_SERIAL = 0,
   SCHEDULE_OVERLAP = 1,
@@ -556,15 +557,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     };
     int next_qb = -1;  // UNDER_PV: the next item's Q buffer, once taken
     if (count == 0) mbar_arrive(&bar.q_empty[qb]);
+    // S_0 in the item's first turn, then its softmax (the loops with turns, or pipelined)
+    auto first_scores = [&]() {
+      turns.begin();
+      issue_scores(0);
+      turns.end();
+      wgmma_wait<0>();
+      probabilities(0);
+      blk.to_a_fragments(s, pf);
+    };
     if constexpr (Tr::OVERLAP) {
-      if (count > 0) {
-        turns.begin();
-        issue_scores(0);
-        turns.end();
-        wgmma_wait<0>();
-        probabilities(0);
-        blk.to_a_fragments(s, pf);
-      }
+      if (count > 0) first_scores();
       for (int it = 1; it < count; ++it) {
         turns.begin();
         issue_scores(it);
@@ -584,17 +587,10 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         pv_done(count - 1);
       }
     } else if constexpr (Tr::TURNS) {
-      // SCHEDULE_SERIAL_TURNS: each turn issues P_{it-1} V_{it-1}, waits for it, and issues S_it,
-      // so that the P fragments and S are never live at once (FP8's 256-key tiles: with both in
-      // flight ptxas serialised every wgmma of the kernel for want of registers)
-      if (count > 0) {
-        turns.begin();
-        issue_scores(0);
-        turns.end();
-        wgmma_wait<0>();
-        probabilities(0);
-        blk.to_a_fragments(s, pf);
-      }
+      // SCHEDULE_SERIAL_TURNS: each turn issues P_{it-1} V_{it-1}, waits for it, and issues S_it
+      // (with both in flight, FP8's 256-key tiles left ptxas short of registers: it serialised
+      // every wgmma of the kernel)
+      if (count > 0) first_scores();
       for (int it = 1; it < count; ++it) {
         turns.begin();
         issue_pv(it - 1);

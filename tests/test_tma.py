@@ -151,7 +151,7 @@ def _loop(spec: _kernels.KernelSpec) -> str:
 
 def test_fp8_forward_loops():
     # The FP8 forward at d = 128 and 256 takes turns at the tensor cores without the pipelining
-    # (serial_turns: 1.05-1.18x the serial loop on the H200, docs/perf/NOTES.md v49), its 256-key
+    # (serial_turns: 1.04-1.21x the serial loop on the H200, docs/perf/NOTES.md v49), its 256-key
     # tiles included, where the pipelined loops spill; d = 64 keeps three consumers with turns,
     # and (128, 256) serial with a window.
     fp8 = _kernels.FP8_DTYPE
