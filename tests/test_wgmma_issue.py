@@ -55,7 +55,7 @@ def test_the_tma_forward_builds_no_descriptor_between_k_steps():
         for s in _kernels.all_specs("sm_90a")
         if s.source == "forward_sm90_tma.cu" and s.features == 0 and s.dtype == "bfloat16"
     ]
-    fp8 = "attention_forward_tma<cuflash::e4m3, 256, 128, 128, 2, 0, 0, 0>"
+    fp8 = "attention_forward_tma<cuflash::e4m3, 256, 128, 128, 2, 0, 3, 0>"  # serial_turns
     specs.append(tool.spec_of(fp8, "forward_sm90_tma.cu"))
     assert len(specs) >= 6
     for spec in specs:
