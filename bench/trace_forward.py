@@ -39,6 +39,13 @@ C = "if (tr_on) "  # thread 0 of each consumer warpgroup, role blk.wg, index tr_
 CT = "tr_t = clock64();"  # the loop's phases: tr_t the phase's start, tr_sum[k] += its cycles
 
 
+# e8, the last P V waited for, and the loop's phase sums: at the end of either loop with turns
+LOOP_DONE = (
+    f"      {C}TRACE_AT(blk.wg, tr_i, 8);\n"
+    f"      {C}for (int k = 0; k < 5; ++k) TRACE_VALUE(blk.wg, tr_i, 18 + k, tr_sum[k]);\n"
+)
+
+
 def lap(k: int) -> str:
     return (
         f"{{ const unsigned long long tr_n = clock64(); tr_sum[{k}] += tr_n - tr_t; tr_t = tr_n; }}"
@@ -77,24 +84,14 @@ PATCHES = [
         f"      {C}TRACE_AT(blk.wg, tr_i, 7);\n",
         "",
     ),
-    (
-        "    } else if constexpr (Tr::TURNS) {\n",
-        f"      {C}TRACE_AT(blk.wg, tr_i, 8);\n"
-        f"      {C}for (int k = 0; k < 5; ++k) TRACE_VALUE(blk.wg, tr_i, 18 + k, tr_sum[k]);\n",
-        "",
-    ),
+    ("    } else if constexpr (Tr::TURNS) {\n", LOOP_DONE, ""),
     # the serial loop with turns (SCHEDULE_SERIAL_TURNS): its last P V's turn, and after it
     (
         "        turns.begin();\n        issue_pv(count - 1);\n",
         f"        {C}TRACE_AT(blk.wg, tr_i, 7);\n",
         "",
     ),
-    (
-        "    } else {\n      auto serial_tile",
-        f"      {C}TRACE_AT(blk.wg, tr_i, 8);\n"
-        f"      {C}for (int k = 0; k < 5; ++k) TRACE_VALUE(blk.wg, tr_i, 18 + k, tr_sum[k]);\n",
-        "",
-    ),
+    ("    } else {\n      auto serial_tile", LOOP_DONE, ""),
     (
         "      blk.softmax.rescale(blk.acc_o, inv_rows);\n",
         "",

@@ -55,8 +55,8 @@ def test_the_tma_forward_builds_no_descriptor_between_k_steps():
         for s in _kernels.all_specs("sm_90a")
         if s.source == "forward_sm90_tma.cu" and s.features == 0 and s.dtype == "bfloat16"
     ]
-    fp8 = "attention_forward_tma<cuflash::e4m3, 256, 128, 128, 2, 0, 3, 0>"  # serial_turns
-    specs.append(tool.spec_of(fp8, "forward_sm90_tma.cu"))
+    # and the FP8 forward's instance at d = 256 (its table's tiles and loop)
+    specs.append(_kernels.instance("forward", "tma", _kernels.FP8_DTYPE, 256, None, 0, False))
     assert len(specs) >= 6
     for spec in specs:
         found = tool.gaps(tool.instructions(tool.disassemble(spec)))
