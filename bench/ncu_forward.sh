@@ -6,7 +6,8 @@
 #   bash bench/ncu_forward.sh LABEL [TREE] [profile_attention.py args...]
 #
 # TREE (default .): the checkout whose cuflash runs (an .ab/ variant tree, say). Writes
-# $OUT/ncu_forward_LABEL.txt. Skips the first two launches (compile, warm-up).
+# $OUT/ncu_forward_LABEL.txt, and with KEEP_CSV=1 the source page of every SASS line (each stall
+# reason's samples) as $OUT/forward_LABEL.csv.gz. Skips the first two launches (compile, warm-up).
 set -u
 LABEL=$1
 TREE=${2:-.}
@@ -24,4 +25,4 @@ REPORT="$OUT/forward_$LABEL"
   ncu --import "$REPORT.ncu-rep" --page source --csv --print-source sass > "$REPORT.csv"
   python "$BENCH/ncu_top_stalls.py" "$REPORT.csv" --top 30
 } > "$OUT/ncu_forward_$LABEL.txt" 2>&1
-rm -f "$REPORT.csv"
+if [[ ${KEEP_CSV:-0} == 1 ]]; then gzip -f "$REPORT.csv"; else rm -f "$REPORT.csv"; fi

@@ -4,11 +4,13 @@
         python bench/profile_attention.py --seq 4096 --head-dim 128 [--softcap 30] [--alibi]
 
 bf16, B = 4, Hq = Hkv = 16 (the benchmark's 4k point); --causal, --window LEFT for the masks;
---backward adds the backward to each call; --packed runs the same B sequences as one packed batch
-(attention_varlen_*); --long-tailed runs bench_varlen.py's packed batch instead (65536 tokens of
-lengths 64..8192, Hq = Hkv = 2048 / d). CUFLASH_TREE=DIR imports DIR's cuflash instead of this
-tree's. --sdpa cudnn|flash runs torch's SDPA on that backend instead (dense or causal only), so
-that a profiler can set a peer's kernel beside ours (ncu -k regex:'sdpa|fprop|flash').
+--backward adds the backward to each call; --fp8 runs attention_forward_fp8 on the same values
+rounded to float8_e4m3fn (descale factors 1; forward only); --packed runs the same B sequences
+as one packed batch (attention_varlen_*); --long-tailed runs bench_varlen.py's packed batch
+instead (65536 tokens of lengths 64..8192, Hq = Hkv = 2048 / d). CUFLASH_TREE=DIR imports DIR's
+cuflash instead of this tree's. --sdpa cudnn|flash runs torch's SDPA on that backend instead
+(dense or causal only), so that a profiler can set a peer's kernel beside ours (ncu -k
+regex:'sdpa|fprop|flash').
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--long-tailed", action="store_true")
+    parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--sdpa", choices=("cudnn", "flash"), default=None)
     args = parser.parse_args()
@@ -83,6 +86,14 @@ def main() -> None:
 
         def backward(o, lse):
             o.backward(do.transpose(1, 2))
+
+    elif args.fp8:
+        if args.packed or args.backward or args.softcap or args.alibi:
+            parser.error("--fp8 takes dense, causal or windowed forward calls only")
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+
+        def forward():
+            return cuflash.attention_forward_fp8(q8, k8, v8, causal=args.causal, window=window)
 
     elif args.packed:
 

@@ -241,6 +241,10 @@ struct Sm90ForwardBlock {
   __device__ __forceinline__ void pv_done(unsigned (&p)[Tr::K_PV][4]) {
     fence_accumulators(acc_o[0]);
     // The A registers are read by the tensor cores until the wait: keep them alive until here.
+    fence_fragments(p);
+  }
+  // p's values computed by this point (and kept until it)
+  static __device__ __forceinline__ void fence_fragments(unsigned (&p)[Tr::K_PV][4]) {
 #pragma unroll
     for (int kk = 0; kk < Tr::K_PV; ++kk)
 #pragma unroll

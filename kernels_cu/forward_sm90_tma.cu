@@ -134,6 +134,13 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
   // instance finishes its rows alike (the schedules give the same bits).
   static constexpr bool FAST_FINISH = HD == 128 && BN > 128 &&
       Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::SOFTCAP;
+  // A tile's softmax finished in its own branch (acc_o's rescale and P's fragments: probabilities
+  // in the kernel): the FP8 forward's serial turns, where that took 0.98x the cycles under ncu at
+  // d = 128 (the whole call 1.01-1.07x, H200). The 16-bit serial loop of three consumers at d = 64
+  // ran 0.89-0.91x with it (docs/perf/NOTES.md, v50).
+  static constexpr bool FINISH_IN_BRANCH =
+      Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 1 &&
+      SCHEDULE == SCHEDULE_SERIAL_TURNS;
   typedef TensorCoreTurns<CONSUMERS, TURNS> Turns;
   // The last row block of a head split by keys (Params::split_last; the host's choice where that
   // block's real rows fit one warpgroup): every consumer runs the block's first 64 rows over every
@@ -488,15 +495,29 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     auto phase_of = [&](int it) { return static_cast<unsigned>(((pipe + it) / STAGES) & 1); };
     // S_it's scores (the accumulator of Q K_it^T, then P_it in float32), P as the A fragments of
     // the P V product in flight, the rescale factors of the softmax's last update, and whether
-    // any row of the warp needs them (most tiles' rows keep their max: softmax.cuh, SLACK).
+    // acc_o still awaits them (most tiles' rows keep their max: softmax.cuh, SLACK).
     float s[1][Tr::NT_S][4];
     unsigned pf[Tr::K_PV][4];
     float alphas[1][2];
     bool rescale = true;
-    // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released.
-    auto probabilities = [&](int it) {
+    // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released. With
+    // `finish` (Tr::FINISH_IN_BRANCH, no P V in flight) acc_o's rescale and P's fragments follow
+    // in each branch, where ptxas spreads their instructions among the exp2s (the MUFU takes one
+    // a warp every 8 cycles); after the branches they ran as a tail of their own, and the rescale
+    // in the next turn.
+    auto probabilities = [&](int it, bool finish) {
       if (it == count - 1) mbar_arrive(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
+      auto then_finish = [&]() {
+        if (!finish) return;
+        if (rescale) blk.softmax.rescale(blk.acc_o, alphas);
+        rescale = false;  // acc_o is at this tile's scale
+        blk.to_a_fragments(s, pf);
+        // both computed in the branch: the compiler would sink them to the join (the rescale
+        // even into the next turn, before P V's issue)
+        fence_accumulators(blk.acc_o[0]);
+        blk.fence_fragments(pf);
+      };
       // Under ALiBi the tiles that straddle a row's diagonal go the masked way too: the unmasked
       // one takes ALiBi's one-sided form (Sm90ForwardBlock::alibi_side). Under a pinning softcap
       // (Tr::PIN_AT_CAP) the unmasked tiles of a warp whose rows are not all pinned yet go the
@@ -506,13 +527,21 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           (Tr::PIN_AT_CAP && !blk.softmax.warp_pinned())) {
         rescale = blk.template scores_to_probabilities<true>(tiles.at(it), s,
                                                              Tr::Mask::of(p, seq.ext), alphas);
+        then_finish();
       } else if constexpr (Tr::PIN_AT_CAP) {
         blk.pinned_probabilities(s);
         rescale = false;
+        then_finish();
       } else {
         rescale = blk.template scores_to_probabilities<false>(
             tiles.at(it), s, Tr::Mask::of(p, seq.ext), alphas, alibi_sign);
+        then_finish();
       }
+    };
+    // ... and P_it's fragments, where no P V is in flight.
+    auto softmax_tile = [&](int it) {
+      probabilities(it, Tr::FINISH_IN_BRANCH);
+      if constexpr (!Tr::FINISH_IN_BRANCH) blk.to_a_fragments(s, pf);
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
     // the last masked tile is in.
@@ -563,8 +592,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       issue_scores(0);
       turns.end();
       wgmma_wait<0>();
-      probabilities(0);
-      blk.to_a_fragments(s, pf);
+      softmax_tile(0);
     };
     if constexpr (Tr::OVERLAP) {
       if (count > 0) first_scores();
@@ -574,7 +602,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         issue_pv(it - 1);
         turns.end();
         wgmma_wait<1>();  // S_it
-        probabilities(it);
+        probabilities(it, false);
         wgmma_wait<0>();  // P_{it-1} V_{it-1}
         pv_done(it - 1);
         blk.to_a_fragments(s, pf);
@@ -599,8 +627,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         issue_scores(it);
         turns.end();
         wgmma_wait<0>();
-        probabilities(it);
-        blk.to_a_fragments(s, pf);
+        softmax_tile(it);
       }
       if (count > 0) {
         turns.begin();
@@ -613,8 +640,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       auto serial_tile = [&](int it) {
         issue_scores(it);
         wgmma_wait<0>();
-        probabilities(it);
-        blk.to_a_fragments(s, pf);
+        softmax_tile(it);
         issue_pv(it);
         wgmma_wait<0>();
       };
