@@ -560,8 +560,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       blk.issue_scores(sK + stage_of(it) * Tr::KV_BYTES, s);
     };
     auto issue_pv = [&](int it) {
-      // (FINISH_IN_BRANCH: the softmax rescaled acc_o; ptxas cannot tell that `rescale` is false)
-      if (!Tr::FINISH_IN_BRANCH && rescale) blk.softmax.rescale(blk.acc_o, alphas);
+      if (rescale) blk.softmax.rescale(blk.acc_o, alphas);
       mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
       blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
     };
