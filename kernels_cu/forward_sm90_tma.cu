@@ -560,6 +560,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       blk.issue_scores(sK + stage_of(it) * Tr::KV_BYTES, s);
     };
     auto issue_pv = [&](int it) {
+      // (with FINISH_IN_BRANCH `rescale` is false here; ptxas keeps the test and its block, and
+      // without them scheduled the FP8 serial turns worse: 1.09x the cycles, NOTES.md v50)
       if (rescale) blk.softmax.rescale(blk.acc_o, alphas);
       mbar_wait(&bar.v_full[stage_of(it)], phase_of(it));
       blk.issue_pv(sV + stage_of(it) * Tr::KV_BYTES, pf);
