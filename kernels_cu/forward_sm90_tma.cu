@@ -136,8 +136,8 @@ struct TmaForwardTraits : Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES> {
       Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 2 && !Features<FEATURES>::SOFTCAP;
   // A tile's softmax finished in its own branch (acc_o's rescale and P's fragments: probabilities
   // in the kernel): the FP8 forward's serial turns, where that took 0.98x the cycles under ncu at
-  // d = 128 (the whole call 1.01-1.07x, H200). The 16-bit serial loop of three consumers at d = 64
-  // ran 0.89-0.91x with it (docs/perf/NOTES.md, v50).
+  // d = 128 and 256 (the whole call 0.96-1.07x, geometric mean 1.01, H200). The 16-bit serial
+  // loop of three consumers at d = 64 ran 0.89-0.97x with it (docs/perf/NOTES.md, v50).
   static constexpr bool FINISH_IN_BRANCH =
       Sm90ForwardTraits<Elem, HD, BM, BN, FEATURES>::BYTES == 1 &&
       SCHEDULE == SCHEDULE_SERIAL_TURNS;
