@@ -147,7 +147,7 @@ LOOP_TILE = (
     "        issue_scores(it);\n        issue_pv(it - 1);\n"
     f"        turns.end();\n        {lap(1)}\n"
     f"        wgmma_wait<1>();  // S_it\n        {lap(2)}\n"
-    f"        probabilities(it, false);\n        {lap(3)}\n"
+    f"        probabilities(it);\n        {lap(3)}\n"
     f"        wgmma_wait<0>();  // P_{{it-1}} V_{{it-1}}\n        {lap(4)}\n"
 )
 # The serial loop with turns: lap 1 holds the turn's products, P V waited for among them
@@ -173,7 +173,7 @@ REPLACEMENTS = [
     (
         "        turns.begin();\n        issue_scores(it);\n        issue_pv(it - 1);\n"
         "        turns.end();\n        wgmma_wait<1>();  // S_it\n"
-        "        probabilities(it, false);\n        wgmma_wait<0>();  // P_{it-1} V_{it-1}\n",
+        "        probabilities(it);\n        wgmma_wait<0>();  // P_{it-1} V_{it-1}\n",
         LOOP_TILE,
     ),
 ]

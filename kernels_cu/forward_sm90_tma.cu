@@ -501,15 +501,15 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     float alphas[1][2];
     bool rescale = true;
     // S_it of the tile in `stage`, waited for and turned into probabilities; K_it released. With
-    // `finish` (Tr::FINISH_IN_BRANCH, no P V in flight) acc_o's rescale and P's fragments follow
-    // in each branch, where ptxas spreads their instructions among the exp2s (the MUFU takes one
-    // a warp every 8 cycles); after the branches they ran as a tail of their own, and the rescale
-    // in the next turn.
-    auto probabilities = [&](int it, bool finish) {
+    // Tr::FINISH_IN_BRANCH (the serial turns: no P V in flight here) acc_o's rescale and P's
+    // fragments follow in each branch, where ptxas spreads their instructions among the exp2s (the
+    // MUFU takes one a warp every 8 cycles); after the branches they ran as a tail of their own,
+    // and the rescale in the next turn.
+    auto probabilities = [&](int it) {
       if (it == count - 1) mbar_arrive(&bar.q_empty[qb]);  // the item's last S: Q is read
       release(&bar.k_empty[stage_of(it)]);
       auto then_finish = [&]() {
-        if (!finish) return;
+        if constexpr (!Tr::FINISH_IN_BRANCH) return;
         if (rescale) blk.softmax.rescale(blk.acc_o, alphas);
         rescale = false;  // acc_o is at this tile's scale
         blk.to_a_fragments(s, pf);
@@ -540,7 +540,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     };
     // ... and P_it's fragments, where no P V is in flight.
     auto softmax_tile = [&](int it) {
-      probabilities(it, Tr::FINISH_IN_BRANCH);
+      probabilities(it);
       if constexpr (!Tr::FINISH_IN_BRANCH) blk.to_a_fragments(s, pf);
     };
     // P_it V_it waited for: V_it released, and the rows a masked tile made non-finite flagged once
@@ -604,7 +604,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         issue_pv(it - 1);
         turns.end();
         wgmma_wait<1>();  // S_it
-        probabilities(it, false);
+        probabilities(it);
         wgmma_wait<0>();  // P_{it-1} V_{it-1}
         pv_done(it - 1);
         blk.to_a_fragments(s, pf);
