@@ -17,7 +17,9 @@ Modes: `one` (warpgroup 0 alone), `both` (the two start each repetition together
 barrier), `behind` (warpgroup 1 issues its program, then warpgroup 0 issues its own: the turns of
 forward_sm90_tma.cu), `softmax` (warpgroup 1 runs a softmax's instructions meanwhile, FFMA, ex2,
 FADD and FMNMX on 32 registers a thread, until warpgroup 0 is done: whether its products slow
-down beside the other's softmax; the `ex2/clk` column is the softmax's rate, ex2 a cycle an SM).
+down beside the other's softmax; the `ex2/clk` column is the softmax's rate, ex2 a cycle an SM),
+`exps` (the same without the max's chain, 64 exponentials a thread and iteration: the exp
+phase's own rate).
 Per repetition and warpgroup 0: the cycles from the first wgmma_fence to the last commit
 (issue), and to the end of the wait (done); at peak a product of F FLOP takes F / 4096 cycles of
 an SM (16-bit) or F / 8192 (e4m3), the `peak` column.
@@ -46,7 +48,8 @@ template <typename Elem> struct Shape;
 template <> struct Shape<bf16> { static constexpr int BYTES = 2, K = 16; };
 template <> struct Shape<e4m3> { static constexpr int BYTES = 1, K = 32; };
 
-// PROG: 0 S, 1 PV, 2 S+PV, 3 S,S, 4 PVss, 5 none. MODE: 0 one, 1 both, 2 behind, 3 softmax.
+// PROG: 0 S, 1 PV, 2 S+PV, 3 S,S, 4 PVss, 5 none. MODE: 0 one, 1 both, 2 behind, 3 softmax,
+// 4 exps.
 template <typename Elem, int HD, int BN, int PROG, int MODE>
 __global__ void __launch_bounds__(256, 1) probe(unsigned long long* out, int reps) {
   constexpr int BYTES = Shape<Elem>::BYTES, K_QK = HD * BYTES / 32, K_PV = BN / Shape<Elem>::K;
@@ -61,19 +64,23 @@ __global__ void __launch_bounds__(256, 1) probe(unsigned long long* out, int rep
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   if (MODE == 0 && wg == 1) return;
-  if (MODE == 3 && wg == 1) {  // the softmax's instructions until warpgroup 0 is done
-    float x[32];
+  if (MODE >= 3 && wg == 1) {  // the softmax's instructions until warpgroup 0 is done
+    constexpr int EL = MODE == 3 ? 32 : 64;  // exps: 64 scores, no max first
+    float x[EL];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) x[i] = 0.001f * (threadIdx.x + i);
+    for (int i = 0; i < EL; ++i) x[i] = 0.001f * (threadIdx.x + i);
     unsigned long long iters = 0;
     const unsigned long long t0 = clock64();
     while (*stop == 0) {
-      float mx = x[0];
+      float mx = 1.f;
+      if constexpr (MODE == 3) {
+        mx = x[0];
 #pragma unroll
-      for (int i = 1; i < 32; ++i) mx = fmaxf(mx, x[i]);
+        for (int i = 1; i < EL; ++i) mx = fmaxf(mx, x[i]);
+      }
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < EL; ++i) {
         const float p = fast_exp2(fmaf(x[i], 0.5f, -mx));
         sum += p;
         x[i] = p;
@@ -167,7 +174,7 @@ __global__ void __launch_bounds__(256, 1) probe(unsigned long long* out, int rep
       done += tc - ta;
     }
   }
-  if (MODE == 3 && threadIdx.x == 0) *stop = 1;
+  if (MODE >= 3 && threadIdx.x == 0) *stop = 1;
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < BN / 8; ++i) acc += s[i][0] + s2[i][1];
@@ -192,7 +199,7 @@ SHAPES = {  # name: (C++ element, HD, BN, FLOP rate per SM per cycle)
     "e4m3 d=128 BN=256": ("e4m3", 128, 256, 8192),
 }
 PROGS = {"S": 0, "PV": 1, "S+PV": 2, "S,S": 3, "PVss": 4, "none": 5}
-MODES = {"one": 0, "both": 1, "behind": 2, "softmax": 3}
+MODES = {"one": 0, "both": 1, "behind": 2, "softmax": 3, "exps": 4}
 
 
 def flops(prog: str, hd: int, bn: int) -> int:
@@ -206,7 +213,7 @@ def fits(shape: str, prog: str, mode: str) -> bool:
     (2 x 64 x HD bytes); none: the softmax mode only."""
     elem, hd, bn, _ = SHAPES[shape]
     if prog == "none":
-        return mode == "softmax"
+        return mode in ("softmax", "exps")
     if prog == "PVss":
         return elem == "e4m3" and bn <= 2 * hd
     return prog != "S,S" or bn + hd // 2 <= 220
@@ -248,8 +255,9 @@ def main() -> None:
         done = statistics.median(o[:, 0, 1] / timed)
         period = statistics.median(o[:, 0, 2] / args.reps)
         peak = flops(p, hd, bn) / rate
-        # softmax: warpgroup 1's 32 ex2 a thread an iteration, 128 threads
-        ex2 = statistics.median(o[:, 1, 0] * 32 * 128 / o[:, 1, 1]) if m == "softmax" else 0
+        # softmax / exps: warpgroup 1's 32 / 64 ex2 a thread an iteration, 128 threads
+        per_iter = {"softmax": 32, "exps": 64}.get(m, 0)
+        ex2 = statistics.median(o[:, 1, 0] * per_iter * 128 / o[:, 1, 1]) if per_iter else 0
         lines.append(
             f"{s:20s} {p:7s} {m:7s} {issue:7.0f} {done:7.0f} {period:7.0f} {peak:6.0f} {ex2:7.2f}"
         )
