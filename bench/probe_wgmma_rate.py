@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(256, 1) probe(unsigned long long* out, int rep
   const TileDesc k_desc = TileDesc::of(sK, 16, 1024);
   const TileDesc v_desc =
       BYTES == 1 ? TileDesc::of(sV, 16, 1024) : TileDesc::of(sV, BN * 128, 1024);
-  // PVss: P as a K-major tile of 64 rows (the Q area, whose bytes are as many at e4m3 d = BN)
+  // PVss: P as a K-major tile of 64 rows in the two Q tiles' area (2 x 64 x HD bytes: BN <= 2 HD)
   const TileDesc p_desc = TileDesc::of(smem, 16, 1024);
   auto issue_s = [&](float (&acc)[BN / 8][4]) {
 #pragma unroll
